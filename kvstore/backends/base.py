@@ -1,0 +1,169 @@
+"""The backend protocol: async, batched, bytes in / bytes out.
+
+Owns: the `Backend` ABC every storage backend implements, the values that cross it
+(`ObjectInfo`, `BackendStats`) and the shared error counters.  Must not touch: frames,
+codecs, tensors, placement policy.  A backend stores opaque objects under names that
+`kvstore.keys.check_object_name` accepts.
+
+Primitives (all batched; one call moves many objects):
+
+* ``put_many([(name, value), ...]) -> [bool]``  value = one buffer or a list of parts
+  (gather write, so a frame's header and payload are never joined); False = not
+  stored (error counted, never raised).
+* ``get_many(names, alloc=None) -> [memoryview | None]``  None = miss.  With `alloc`,
+  the object is read into ``alloc(size)`` (a caller's buffer of at least `size` bytes)
+  and the returned view points into it.
+* ``contains_many(names) -> [bool]``, ``delete_many(names) -> [bool]`` (True = existed).
+* ``list(prefix) -> AsyncIterator[ObjectInfo]`` with sizes.
+* ``quarantine(name, reason)`` takes a corrupt object out of service (default: delete).
+* ``stats() -> BackendStats``, ``close()``.
+
+Faults (server down, disk full, permission denied) are counted in `stats()` and turned
+into False / None; only programming errors (bad arguments) raise.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Union
+
+Buffer = Union[bytes, bytearray, memoryview]
+Value = Union[Buffer, Sequence[Buffer]]
+Alloc = Callable[[int], memoryview]
+
+
+def as_parts(value: Value) -> list[memoryview]:
+    """Normalise a put value to a list of flat byte views (no copies)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        value = [value]
+    out = []
+    for part in value:
+        mv = part if isinstance(part, memoryview) else memoryview(part)
+        if mv.format != "B" or mv.ndim != 1:
+            mv = mv.cast("B")
+        out.append(mv)
+    return out
+
+
+def parts_len(parts: Sequence[memoryview]) -> int:
+    return sum(p.nbytes for p in parts)
+
+
+def bytearray_alloc(size: int) -> memoryview:
+    """Default allocator: a fresh buffer per object."""
+    return memoryview(bytearray(size))
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """One listed object."""
+
+    name: str
+    size: int
+    mtime: float = 0.0
+
+
+@dataclass(slots=True)
+class Counters:
+    """Operation counters every backend keeps; `stats()` reports them."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_errors: int = 0
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    get_bytes: int = 0
+    get_errors: int = 0
+    deletes: int = 0
+    evictions: int = 0
+    quarantined: int = 0
+    rejected: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStats:
+    """A snapshot of one backend: where it is, how full, and what happened so far."""
+
+    url: str
+    objects: int | None = None
+    bytes: int | None = None
+    capacity_bytes: int | None = None
+    counters: Counters = field(default_factory=Counters)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Backend(abc.ABC):
+    """An async, batched object store of bytes.  See the module docstring."""
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.counters = Counters()
+
+    @classmethod
+    @abc.abstractmethod
+    def from_url(cls, url: str) -> Backend:
+        """Build from a URL of one of `schemes`; raise ValueError saying what is wrong."""
+
+    @abc.abstractmethod
+    async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]: ...
+
+    @abc.abstractmethod
+    async def contains_many(self, names: Sequence[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    async def delete_many(self, names: Sequence[str]) -> list[bool]: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]: ...
+
+    async def quarantine(self, name: str, reason: str) -> None:
+        """Take a corrupt object out of service.  Backends with a side area override."""
+        await self.delete_many([name])
+        self.counters.quarantined += 1
+
+    def stats(self) -> BackendStats:
+        return BackendStats(url=redact_url(self.url), counters=self.counters)
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and files; the backend is unusable afterwards."""
+
+    async def __aenter__(self) -> Backend:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # convenience wrappers for a single object
+    async def put(self, name: str, value: Value) -> bool:
+        return (await self.put_many([(name, value)]))[0]
+
+    async def get(self, name: str, alloc: Alloc | None = None) -> memoryview | None:
+        return (await self.get_many([name], alloc))[0]
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password or secret query value replaced by ``***``."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        creds, host = netloc.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        netloc = f"{user}:***@{host}" if ":" in creds else f"{user}@{host}"
+    secret = ("password", "secret", "token", "key")
+    query = urlencode(
+        [(k, "***" if any(s in k.lower() for s in secret) else v) for k, v in parse_qsl(parts.query)]
+    )
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
