@@ -1,0 +1,140 @@
+"""One tier: a backend plus a codec, storing tensors as self-checking frames.
+
+Owns: tensor ↔ frame ↔ backend for a single backend, and the rule that a defective
+frame is a miss: it is quarantined, counted and logged, never raised and never handed
+back.  Must not touch: placement across tiers (that is `TieredStore` and the policy
+engine), URLs beyond opening the backend.
+
+Reads decode with the codec named in each frame, so a tier can read objects another
+tier (or a migration) wrote with a different codec.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvstore import codec as codecs
+from kvstore.backends import Alloc, Backend, open_backend
+from kvstore.frame import Frame, FrameError, decode_frame
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    put_ok: int = 0
+    put_failed: int = 0
+
+
+class Tier:
+    """Tensors in, tensors out, through one backend; see the module docstring."""
+
+    def __init__(self, backend: Backend, codec: str | codecs.Codec = "raw", *, name: str = "") -> None:
+        self.backend = backend
+        self.codec = codecs.get(codec) if isinstance(codec, str) else codec
+        self.name = name or backend.url
+        self.counters = TierCounters()
+        self._decoders: dict[str, codecs.Codec] = {self.codec.name: self.codec}
+
+    @classmethod
+    def open(cls, url: str, codec: str | codecs.Codec = "raw", *, name: str = "") -> Tier:
+        return cls(open_backend(url), codec, name=name)
+
+    async def put_many(self, items: Sequence[tuple[str, torch.Tensor]], *, layout: str = "raw") -> list[bool]:
+        """Encode and store; False where the backend could not store (counted there)."""
+        framed = [(name, self.codec.frame_parts(t, key=name, layout=layout)) for name, t in items]
+        return await self.put_frames(framed)
+
+    async def put_frames(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> list[bool]:
+        """Store already-framed objects (e.g. copied by a migration)."""
+        ok = await self.backend.put_many(items)
+        good = sum(ok)
+        self.counters.put_ok += good
+        self.counters.put_failed += len(ok) - good
+        return ok
+
+    async def get_frames(self, names: Sequence[str], alloc: Alloc | None = None) -> list[Frame | None]:
+        """Verified frames (payload views into the read buffers); defects become None."""
+        raws = await self.backend.get_many(names, alloc)
+        out: list[Frame | None] = []
+        for name, raw in zip(names, raws):
+            if raw is None:
+                self.counters.misses += 1
+                out.append(None)
+                continue
+            try:
+                frame = decode_frame(raw)
+                if frame.header.key and frame.header.key != name:
+                    raise FrameError(f"frame belongs to {frame.header.key!r}")
+            except FrameError as exc:
+                await self._quarantine(name, exc)
+                out.append(None)
+                continue
+            self.counters.hits += 1
+            out.append(frame)
+        return out
+
+    async def get_many(
+        self,
+        names: Sequence[str],
+        out: Sequence[torch.Tensor | None] | None = None,
+        alloc: Alloc | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Tensors for `names` (None = miss).  With `out`, each hit is written there.
+
+        Without `out` or `alloc`, raw tensors share the read buffer (no copy).
+        """
+        frames = await self.get_frames(names, alloc)
+        result: list[torch.Tensor | None] = []
+        for i, (name, frame) in enumerate(zip(names, frames)):
+            if frame is None:
+                result.append(None)
+                continue
+            try:
+                dec = self._decoder(frame.header.codec)
+                target = out[i] if out is not None else None
+                result.append(dec.decode_payload(frame.payload, frame.header, target))
+            except (FrameError, ValueError) as exc:
+                self.counters.hits -= 1
+                await self._quarantine(name, exc)
+                result.append(None)
+        return result
+
+    def _decoder(self, name: str) -> codecs.Codec:
+        dec = self._decoders.get(name)
+        if dec is None:
+            dec = self._decoders[name] = codecs.get(name)
+        return dec
+
+    async def _quarantine(self, name: str, exc: Exception) -> None:
+        self.counters.corrupt += 1
+        self.counters.misses += 1
+        log.warning("kvstore: %s in %s is corrupt (%s); quarantined, served as a miss", name, self.name, exc)
+        try:
+            await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}")
+        except Exception:  # a failing quarantine must not turn a miss into a crash
+            log.exception("kvstore: could not quarantine %s", name)
+
+    async def contains_many(self, names: Sequence[str]) -> list[bool]:
+        return await self.backend.contains_many(names)
+
+    async def delete_many(self, names: Sequence[str]) -> list[bool]:
+        return await self.backend.delete_many(names)
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    async def __aenter__(self) -> Tier:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
