@@ -7,6 +7,8 @@ returns a tensor sharing the payload buffer, or copies once into `out`.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from kvstore.codec.base import Codec, Encoded, dtype_from_name, dtype_name
@@ -19,6 +21,11 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
         raise ValueError("raw codec takes CPU tensors; copy device tensors to host first")
     t = tensor.contiguous().reshape(-1)
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+# Read-only payloads (the memory tier's zero-copy views) make torch warn once per process;
+# the tensors handed out are documented as read-only views.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class RawCodec(Codec):
