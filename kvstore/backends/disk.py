@@ -8,20 +8,25 @@ default), crash-safe writes and the quarantine folder.  Must not touch: frame pa
 Layout::
 
     ROOT/objects/<2 hex>/<escaped name>   one file per object, shard = digest of name
-    ROOT/tmp/                             writes in progress; emptied at open
-    ROOT/quarantine/                      objects the tier found corrupt
+    ROOT/objects/<2 hex>/.<pid>-<n>.tmp   a write in progress; removed at open
+    ROOT/quarantine/                      objects the tier found corrupt, with .reason
 
-* A write goes to ``tmp/``, is fsync'ed (``fsync=false`` to skip), then renamed over
-  its real name, so a crash never leaves a torn object under a real name, and two
+* A write goes to a temp file beside its target (preallocated, one ``writev`` of
+  header and payload), is fsync'ed (``fsync=false`` to skip), then renamed over its
+  real name, so a crash never leaves a torn object under a real name, and two
   concurrent writers of one name each publish a whole object (the last rename wins).
-* Reads land in the caller's buffer (`alloc`) with ``readinto``, never a fresh
+  Same-directory temp files with ``fallocate`` measured ~20% faster than a separate
+  temp folder (docs/benchmarks/core.md).
+* Reads land in the caller's buffer (`alloc`) with ``preadv``, never a fresh
   ``bytes``.  A file written by another process after the index was built is still
   found (a miss in the index falls back to the file system).
+* Blocking calls run in aiofiles' executor: one hop per write, two per read.
 * ENOSPC, EACCES and files vanishing underneath are counted errors / misses.
 
-File names are the object name percent-escaped (``/`` → ``%2F``), reversible, so the
-index is rebuilt from a directory scan.  A name whose escaped form is too long for a
-file name is stored as ``~`` + digest with a ``.name`` side file holding the name.
+File names are the object name percent-escaped (``/`` → ``%2F``, ``.`` → ``%2E``), so
+they are reversible and never start with ``.``; the index is rebuilt from a directory
+scan.  A name whose escaped form is too long for a file name is stored as ``~`` +
+digest with a ``.name`` side file holding the name.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
-import aiofiles
 import aiofiles.os
 
 from kvstore.backends.base import (
@@ -58,12 +62,13 @@ from kvstore.keys import InvalidKeyError, check_object_name
 log = logging.getLogger(__name__)
 
 MAX_FILENAME = 250
-_fsync = aiofiles.os.wrap(os.fsync)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ids = itertools.count()
 
 
 def encode_filename(name: str) -> str:
-    enc = quote(name, safe="-_")
+    enc = quote(name, safe="-_").replace(".", "%2E")
     if len(enc) <= MAX_FILENAME:
         return enc
     return "~" + hashlib.blake2b(name.encode(), digest_size=20).hexdigest()
@@ -71,6 +76,69 @@ def encode_filename(name: str) -> str:
 
 def shard_of(name: str) -> str:
     return hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
+
+
+@aiofiles.os.wrap
+def _write_object(path: Path, name: str, parts: list[memoryview], size: int, fsync: bool) -> None:
+    """Publish one object atomically: temp file beside it, fallocate, writev, fsync, rename."""
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.parent / f".{os.getpid()}-{next(_ids)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    try:
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)  # ENOSPC here, before any byte is written
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+        pending = [p for p in parts if p.nbytes]
+        while pending:
+            n = os.writev(fd, pending[:IOV_MAX])
+            while n:
+                if n >= pending[0].nbytes:
+                    n -= pending.pop(0).nbytes
+                else:
+                    pending[0] = pending[0][n:]
+                    n = 0
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        if path.name.startswith("~"):
+            Path(f"{path}.name").write_text(name, "utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+@aiofiles.os.wrap
+def _open_read(path: Path) -> tuple[int, int]:
+    fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    try:
+        return fd, os.fstat(fd).st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@aiofiles.os.wrap
+def _read_all(fd: int, buf: memoryview) -> int:
+    try:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(fd, [buf[got:]], got)
+            if not n:
+                break
+            got += n
+        return got
+    finally:
+        os.close(fd)
 
 
 class DiskBackend(Backend):
@@ -89,9 +157,8 @@ class DiskBackend(Backend):
         super().__init__(url or Path(root).absolute().as_uri())
         self.root = Path(root)
         self.objects_dir = self.root / "objects"
-        self.tmp_dir = self.root / "tmp"
         self.quarantine_dir = self.root / "quarantine"
-        for d in (self.objects_dir, self.tmp_dir, self.quarantine_dir):
+        for d in (self.objects_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
         self.fsync = fsync
@@ -102,7 +169,6 @@ class DiskBackend(Backend):
         self._reading: dict[str, int] = {}
         self._sem = asyncio.Semaphore(concurrency)
         self._write_done = asyncio.Condition()
-        self._clean_tmp()
         self._scan()
 
     @classmethod
@@ -124,30 +190,38 @@ class DiskBackend(Backend):
         )
 
     # ---- index --------------------------------------------------------------
-    def _clean_tmp(self) -> None:
-        for entry in os.scandir(self.tmp_dir):
-            try:
-                os.unlink(entry.path)
-            except OSError:
-                pass
-
-    def _scan(self) -> None:
-        found: list[tuple[float, str, int]] = []
+    def _entries(self, *, clean: bool = False) -> list[tuple[str, os.stat_result]]:
+        """(name, stat) of every stored object; with `clean`, remove unfinished writes."""
+        out = []
         for shard in os.scandir(self.objects_dir):
             if not shard.is_dir():
                 continue
             for entry in os.scandir(shard.path):
+                if entry.name.startswith("."):  # a write in progress, or one a crash cut short
+                    if clean:
+                        try:
+                            os.unlink(entry.path)
+                        except OSError:
+                            pass
+                    continue
                 if entry.name.endswith(".name"):
                     continue
                 name = self._name_of(entry)
-                if name is None:
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
                     continue
-                st = entry.stat()
-                found.append((st.st_mtime, name, st.st_size))
-        for _mtime, name, size in sorted(found):  # oldest first: LRU order survives restarts
-            self._index_add(name, size)
+                if name is not None:
+                    out.append((name, st))
+        return out
 
-    def _name_of(self, entry: os.DirEntry[str]) -> str | None:
+    def _scan(self) -> None:
+        found = self._entries(clean=True)
+        for name, st in sorted(found, key=lambda e: e[1].st_mtime):  # oldest first: LRU survives restarts
+            self._index_add(name, st.st_size)
+
+    @staticmethod
+    def _name_of(entry: os.DirEntry[str]) -> str | None:
         if entry.name.startswith("~"):
             try:
                 return Path(entry.path + ".name").read_text("utf-8")
@@ -194,30 +268,17 @@ class DiskBackend(Backend):
                 self.counters.rejected += 1
                 return False
             self._pending += size
-            path = self.path_of(name)
-            tmp = self.tmp_dir / f"{os.getpid()}-{next(_ids)}.tmp"
             try:
-                await aiofiles.os.makedirs(path.parent, exist_ok=True)
-                async with aiofiles.open(tmp, "wb", buffering=0) as f:
-                    for part in parts:
-                        await self._write_all(f, part)
-                    if self.fsync:
-                        await _fsync(f.fileno())
-                if path.name.startswith("~"):
-                    await asyncio.to_thread(Path(str(path) + ".name").write_text, name, "utf-8")
-                await aiofiles.os.replace(tmp, path)
+                await _write_object(self.path_of(name), name, parts, size, self.fsync)
             except OSError as exc:
                 self.counters.put_errors += 1
-                level = (
-                    logging.ERROR
-                    if exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS)
-                    else logging.WARNING
+                fatal = exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS)
+                log.log(
+                    logging.ERROR if fatal else logging.WARNING,
+                    "kvstore disk: write of %s failed: %s",
+                    name,
+                    exc,
                 )
-                log.log(level, "kvstore disk: write of %s failed: %s", name, exc)
-                try:
-                    await aiofiles.os.remove(tmp)
-                except OSError:
-                    pass
                 return False
             finally:
                 self._pending -= size
@@ -228,14 +289,8 @@ class DiskBackend(Backend):
         self.counters.put_bytes += size
         return True
 
-    @staticmethod
-    async def _write_all(f: aiofiles.threadpool.binary.AsyncFileIO, part: memoryview) -> None:
-        while part:
-            n = await f.write(part)
-            part = part[n:]
-
     async def _make_room(self, name: str, size: int) -> bool:
-        """Evict until `size` more bytes fit; False if they cannot (budget is never exceeded)."""
+        """Evict until `size` more bytes fit; False if they cannot (the budget is never exceeded)."""
         if self.capacity is None:
             return True
         while self._used + self._pending - self._sizes.get(name, 0) + size > self.capacity:
@@ -262,7 +317,7 @@ class DiskBackend(Backend):
             log.warning("kvstore disk: could not remove %s: %s", name, exc)
         if path.name.startswith("~"):
             try:
-                await aiofiles.os.remove(str(path) + ".name")
+                await aiofiles.os.remove(f"{path}.name")
             except OSError:
                 pass
         return existed
@@ -280,15 +335,14 @@ class DiskBackend(Backend):
             return None
         self._reading[name] = self._reading.get(name, 0) + 1
         try:
-            async with self._sem, aiofiles.open(self.path_of(name), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                buf = alloc(size)[:size]
-                got = 0
-                while got < size:
-                    n = await f.readinto(buf[got:])
-                    if not n:
-                        break
-                    got += n
+            async with self._sem:
+                fd, size = await _open_read(self.path_of(name))
+                try:
+                    buf = alloc(size)[:size]
+                except BaseException:
+                    os.close(fd)
+                    raise
+                got = await _read_all(fd, buf)  # closes fd
         except FileNotFoundError:
             self._index_drop(name)
             self.counters.misses += 1
@@ -341,28 +395,10 @@ class DiskBackend(Backend):
         return out
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        entries = await asyncio.to_thread(self._list_sync, prefix)
-        for info in entries:
-            yield info
-
-    def _list_sync(self, prefix: str) -> list[ObjectInfo]:
-        out = []
-        for shard in os.scandir(self.objects_dir):
-            if not shard.is_dir():
-                continue
-            for entry in os.scandir(shard.path):
-                if entry.name.endswith(".name"):
-                    continue
-                name = self._name_of(entry)
-                if name is None or not name.startswith(prefix):
-                    continue
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:
-                    continue
-                out.append(ObjectInfo(name, st.st_size, st.st_mtime))
-        out.sort(key=lambda i: i.name)
-        return out
+        entries = await asyncio.to_thread(self._entries)
+        for name, st in sorted(entries, key=lambda e: e[0]):
+            if name.startswith(prefix):
+                yield ObjectInfo(name, st.st_size, st.st_mtime)
 
     async def quarantine(self, name: str, reason: str) -> None:
         self._index_drop(name)
@@ -370,7 +406,7 @@ class DiskBackend(Backend):
         dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{src.name}"
         try:
             await aiofiles.os.replace(src, dst)
-            await asyncio.to_thread(Path(str(dst) + ".reason").write_text, f"{name}\n{reason}\n", "utf-8")
+            await asyncio.to_thread(Path(f"{dst}.reason").write_text, f"{name}\n{reason}\n", "utf-8")
         except FileNotFoundError:
             return
         except OSError as exc:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -98,11 +98,15 @@ async def test_corruption_is_a_quarantined_counted_miss(tmp_path: Path) -> None:
 
 async def test_interrupted_write_is_invisible_and_cleaned(tmp_path: Path) -> None:
     be = DiskBackend(tmp_path)
-    torn = tmp_path / "tmp" / "999-1.tmp"
+    await be.put("ns/whole", b"whole")
+    torn = be.path_of("ns/torn").parent / ".999-1.tmp"  # what a crash mid-write leaves
+    torn.parent.mkdir(exist_ok=True)
     torn.write_bytes(b"half a frame")
-    assert [i async for i in be.list()] == []
-    DiskBackend(tmp_path)  # the next open cleans up
+    assert [i.name async for i in be.list()] == ["ns/whole"]
+    assert await be.contains_many(["ns/torn"]) == [False]
+    reopened = DiskBackend(tmp_path)  # the next open cleans up
     assert not torn.exists()
+    assert reopened.stats().objects == 1
 
 
 async def test_concurrent_writers_of_one_key_publish_a_whole_object(tmp_path: Path) -> None:
@@ -112,7 +116,7 @@ async def test_concurrent_writers_of_one_key_publish_a_whole_object(tmp_path: Pa
     got = bytes(await be.get("k/one"))
     assert got in payloads
     assert be.stats().objects == 1 and be.stats().bytes == 200_000
-    assert list((tmp_path / "tmp").iterdir()) == []
+    assert list((tmp_path / "objects").rglob(".*")) == []
 
 
 @pytest.mark.parametrize(
@@ -176,41 +180,54 @@ async def test_lru_order_survives_a_restart(tmp_path: Path) -> None:
     assert await again.contains_many([f"ns/r{i}" for i in range(4)]) == [False, True, True, True]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
 async def test_permission_denied_is_a_counted_error(tmp_path: Path) -> None:
-    be = DiskBackend(tmp_path)
-    (tmp_path / "tmp").chmod(stat.S_IRUSR | stat.S_IXUSR)
-    try:
-        assert await be.put("a/b", b"x") is False
-        assert be.counters.put_errors == 1
-    finally:
-        (tmp_path / "tmp").chmod(0o755)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to another user")
+    await DiskBackend(tmp_path).put("a/b", b"x")
+    for p in [tmp_path, *tmp_path.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o600)  # readable and writable by root only
+    code = (
+        "import asyncio, os, concurrent.futures.thread  # imported before root-only paths go dark\n"
+        "from kvstore.backends.disk import DiskBackend\n"
+        f"b = DiskBackend({str(tmp_path)!r})\n"
+        "os.setgid(65534); os.setuid(65534)  # now a stranger to the files\n"
+        "ok = asyncio.run(b.put('a/c', b'y')); got = asyncio.run(b.get('a/b'))\n"
+        "print(ok, got, b.counters.put_errors, b.counters.get_errors)\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        "python3", "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().split() == ["False", "None", "1", "1"]
 
 
 async def test_unwritable_directory_is_a_counted_error(tmp_path: Path) -> None:
     be = DiskBackend(tmp_path)
-    tmp_dir = tmp_path / "tmp"
-    tmp_dir.rmdir()
-    tmp_dir.write_text("a file where a directory should be")  # every write now fails (ENOTDIR)
-    assert await be.put_many([("a/b", b"x"), ("a/c", b"y")]) == [False, False]
-    assert be.counters.put_errors == 2
+    shard = be.path_of("a/b").parent
+    shard.write_text("a file where a shard directory should be")  # every write there fails
+    assert await be.put_many([("a/b", b"x")]) == [False]
+    assert be.counters.put_errors == 1
 
 
 async def test_disk_full_is_a_counted_error(tmp_path: Path) -> None:
-    if not Path("/dev/full").exists():
-        pytest.skip("no /dev/full")
-    be = DiskBackend(tmp_path, fsync=False)
-    # every temp file is a link to /dev/full, whose writes fail with ENOSPC
-    real_open = be.tmp_dir
-
-    class FullDir(type(real_open)):  # type: ignore[misc]
-        def __truediv__(self, other: str) -> Path:
-            return Path("/dev/full")
-
-    be.tmp_dir = FullDir(real_open)
-    assert await be.put("a/b", b"x" * 10) is False
-    assert be.counters.put_errors == 1
-    assert await be.contains_many(["a/b"]) == [False]
+    root = tmp_path / "small"
+    root.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        be = DiskBackend(root, fsync=False)
+        assert await be.put("a/small", b"s" * 1000)
+        assert await be.put("a/big", b"x" * (1 << 20)) is False  # ENOSPC
+        assert be.counters.put_errors == 1
+        assert await be.contains_many(["a/big"]) == [False]
+        assert list(root.rglob(".*")) == []  # the partial temp file is gone
+        assert bytes(await be.get("a/small")) == b"s" * 1000
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
 
 
 async def test_vanished_file_is_a_miss(tmp_path: Path) -> None:
