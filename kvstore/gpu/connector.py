@@ -369,6 +369,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             if spans
             else slot_mapping[:0]
         )
+        self.store_copies.keep(rows)  # made on the caller's stream, read on the copy stream
         batch = self._batch(self.store_copies)
         for layer in range(paged.num_layers):
             objs = memory_objs[layer]
@@ -407,6 +408,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         total = spans[-1][1] if spans else 0
         kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
         rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
+        self.load_copies.keep(rows)  # made on the caller's stream, read on the copy stream
         batch = self._batch(self.load_copies)
         held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
         for layer in range(paged.num_layers):

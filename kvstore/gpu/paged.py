@@ -20,12 +20,20 @@ from kvstore.gpu.layout import KVLayout, PagedLayout, check_slot_mapping, discov
 __all__ = ["PagedKVCache"]
 
 
-def _select_into(table: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """``out[i] = table[index[i]]`` for an ``out`` viewed as rows of the table's width."""
-    if out.is_contiguous():
-        torch.index_select(table, 0, index, out=out.view(-1, table.shape[1]))
-    else:
-        out.copy_(table.index_select(0, index).view(out.shape))
+def _word_dtype(row_bytes: int) -> torch.dtype:
+    """The widest integer type that tiles a row: the kernels then move 8-byte words
+    instead of 2-byte elements (a pure byte copy, measurably faster on CPU)."""
+    for dt, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if row_bytes % size == 0:
+            return dt
+    return torch.uint8
+
+
+def _as_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor | None:
+    try:
+        return t.view(word)
+    except RuntimeError:  # misaligned offset or strided last dimension
+        return None
 
 
 class PagedKVCache:
@@ -40,6 +48,8 @@ class PagedKVCache:
         self.layout: PagedLayout = discover_layout(kv_caches, layout)
         self.kv_caches = list(kv_caches)
         self._tables = [self.layout.row_view(t) for t in self.kv_caches]
+        self._word = _word_dtype(self.layout.width * self.layout.dtype.itemsize)
+        self._word_tables = [t.view(self._word) for t in self._tables]
 
     @property
     def device(self) -> torch.device:
@@ -74,6 +84,25 @@ class PagedKVCache:
         if t.device != self.device:
             raise ValueError(f"{what} is on {t.device} but the KV cache is on {self.device}")
 
+    def _select(self, layer: int, index: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (rows of one token vector each) = this layer's rows at ``index``."""
+        words = _as_words(out, self._word) if out.is_contiguous() else None
+        if words is not None:
+            table = self._word_tables[layer]
+            torch.index_select(table, 0, index, out=words.view(-1, table.shape[1]))
+        else:
+            out.copy_(self._tables[layer].index_select(0, index).view(out.shape))
+
+    def _copy(self, layer: int, index: torch.Tensor, src: torch.Tensor) -> None:
+        """This layer's rows at ``index`` = ``src`` (rows of one token vector each)."""
+        words = _as_words(src, self._word)
+        if words is not None:
+            table = self._word_tables[layer]
+            table.index_copy_(0, index, words.reshape(-1, table.shape[1]))
+        else:
+            table = self._tables[layer]
+            table.index_copy_(0, index, src.reshape(-1, table.shape[1]))
+
     # -- whole chunk: [K, L, T, W] -------------------------------------------------
 
     def gather(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,9 +113,9 @@ class PagedKVCache:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._check_chunk(out, shape, "chunk tensor")
         rows = self.layout.rows(slots)
-        for layer, table in enumerate(self._tables):
+        for layer in range(self.num_layers):
             for k in range(self.layout.kv_size):
-                _select_into(table, rows[k], out[k, layer])
+                self._select(layer, rows[k], out[k, layer])
         return out
 
     def scatter(self, slots: torch.Tensor, src: torch.Tensor) -> None:
@@ -94,9 +123,9 @@ class PagedKVCache:
         slots = self.slots(slots)
         self._check_chunk(src, self.layout.chunk_shape(slots.numel()), "chunk tensor")
         rows = self.layout.rows(slots)
-        for layer, table in enumerate(self._tables):
+        for layer in range(self.num_layers):
             for k in range(self.layout.kv_size):
-                table.index_copy_(0, rows[k], src[k, layer])
+                self._copy(layer, rows[k], src[k, layer])
 
     # -- one layer: [T, K, W] (MLA [T, W]) ------------------------------------------
 
@@ -108,15 +137,14 @@ class PagedKVCache:
         """Copy one layer's tokens (``rows`` from :meth:`layer_rows`) into ``[T, K, W]``."""
         num_tokens = rows.numel() // self.layout.kv_size
         self._check_chunk(out, self.layout.layer_chunk_shape(num_tokens), f"layer {layer} tensor")
-        _select_into(self._tables[layer], rows, out)
+        self._select(layer, rows, out)
         return out
 
     def scatter_layer(self, layer: int, rows: torch.Tensor, src: torch.Tensor) -> None:
         """Write one layer's ``[T, K, W]`` tensor into the cache at ``rows``."""
         num_tokens = rows.numel() // self.layout.kv_size
         self._check_chunk(src, self.layout.layer_chunk_shape(num_tokens), f"layer {layer} tensor")
-        table = self._tables[layer]
-        table.index_copy_(0, rows, src.reshape(-1, table.shape[1]))
+        self._copy(layer, rows, src)
 
     @property
     def is_mla(self) -> bool:

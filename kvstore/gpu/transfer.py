@@ -50,6 +50,11 @@ class CopyStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def keep(self, t: torch.Tensor) -> None:
+        """Tell the caching allocator ``t`` (made on another stream) is used on this one."""
+        if self.stream is not None and t.device.type == "cuda":
+            t.record_stream(self.stream)
+
     def record(self) -> object | None:
         """An event marking everything queued on the copy stream so far."""
         if self.stream is None:

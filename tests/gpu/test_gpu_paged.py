@@ -88,3 +88,17 @@ def test_round_trip_on_cuda(layout):
         chunk = src.gather(slots.cuda())
         dst.scatter(slots.cuda(), chunk)
         assert torch.equal(dst.gather(slots.cuda()).cpu(), src.gather(slots.cuda()).cpu())
+
+
+def test_misaligned_chunk_tensors_fall_back_to_element_copies():
+    """A chunk tensor at an odd offset cannot be read as 8-byte words; still correct."""
+    src = PagedKVCache(make_caches("flash_attn"))
+    slots = torch.tensor([4, 77, 13])
+    shape = src.layout.chunk_shape(3)
+    backing = torch.zeros(shape.numel() + 1)
+    chunk = backing[1:].view(shape)  # 4-byte aligned, not 8
+    src.gather(slots, out=chunk)
+    assert torch.equal(chunk, src.gather(slots))
+    dst = PagedKVCache(make_caches("flash_attn", fill="zeros"))
+    dst.scatter(slots, chunk)
+    assert torch.equal(dst.gather(slots), chunk)
