@@ -390,7 +390,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                     obj.metadata.fmt = self._fmt
                 event = batch.mark()
             yield
-            if batch._unflushed:
+            if batch.has_host_copies_pending:
                 batch.complete(event)  # pageable objects: finish their copies on the host
             elif sync:
                 self.store_copies.synchronize()  # LMCache semantics: drain the shared stream

@@ -104,6 +104,11 @@ class HostBatch:
         self._marked: list[tuple[StagingBuffer, object | None]] = []
         self.staged_bytes = 0
 
+    @property
+    def has_host_copies_pending(self) -> bool:
+        """True while staged device->host copies still await :meth:`complete`."""
+        return bool(self._unflushed)
+
     def _direct(self, host: torch.Tensor) -> bool:
         return not self.stage_all and (_host_dma_ready(host) or not self.stream.is_async)
 
