@@ -100,23 +100,34 @@ def _layer_objs(conn, starts, ends, dtype):
 
 @pytest.mark.parametrize("stage_all", [False, True])
 def test_layerwise_store_protocol(layout, stage_all):
-    """L + 1 next() calls; layer i's objects are complete once call i + 2 returns."""
+    """L + 1 next() calls; call c queues layer c and completes layer c - 1 (the engine puts
+    that one when the call returns); layers after c are untouched. On CPU the direct path
+    finishes a layer as it is queued; the staged path only at the next call."""
     caches, slots, starts, ends = _sequence(layout, seed=8)
     conn = LayerwisePagedKVConnector(caches, stage_all=stage_all, pool=PinnedPool(min_buffer_bytes=1024))
     objs = _layer_objs(conn, starts, ends, caches[0].dtype)
+    for layer_objs in objs:
+        for obj in layer_objs:
+            obj.tensor.zero_()
     src = PagedKVCache(caches)
+    want = [
+        [src.gather(slots[s:e])[:, layer].transpose(0, 1) for s, e in zip(starts, ends)]  # [T, K, W]
+        for layer in range(conn.num_layers)
+    ]
     gen = conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots, sync=True)
     num_layers = conn.num_layers
+    fmt = MemoryFormat.KV_MLA_FMT if layout == "mla" else MemoryFormat.KV_T2D
     for call in range(num_layers + 1):
         next(gen)
-        if call >= 1:
-            layer = call - 1  # the engine puts this layer now
-            for obj, s, e in zip(objs[layer], starts, ends):
-                want = src.gather(slots[s:e])[:, layer].transpose(0, 1)  # [T, K, W]
-                assert torch.equal(obj.tensor.reshape(want.shape), want)
-                assert obj.metadata.fmt == (
-                    MemoryFormat.KV_MLA_FMT if layout == "mla" else MemoryFormat.KV_T2D
-                )
+        complete_upto = call - 1 if stage_all else call
+        for layer in range(num_layers):
+            for obj, w in zip(objs[layer], want[layer]):
+                got = obj.tensor.reshape(w.shape)
+                if layer <= complete_upto:
+                    assert torch.equal(got, w), (call, layer)
+                    assert obj.metadata.fmt == fmt
+                else:
+                    assert torch.count_nonzero(got) == 0, (call, layer)
     with pytest.raises(StopIteration):
         next(gen)
 
