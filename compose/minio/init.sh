@@ -6,7 +6,9 @@ set -eu
 mc alias set local "$MINIO_URL" "$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD" >/dev/null
 mc mb --ignore-existing "local/$S3_BUCKET"
 mc admin user add local "$S3_ACCESS_KEY_ID" "$S3_SECRET_ACCESS_KEY" >/dev/null
-if ! mc admin user info local "$S3_ACCESS_KEY_ID" | grep -q readwrite; then
-  mc admin policy attach local readwrite --user "$S3_ACCESS_KEY_ID"
-fi
+# (plain sh, no grep: the mc image is minimal)
+case "$(mc admin user info local "$S3_ACCESS_KEY_ID")" in
+  *readwrite*) ;;
+  *) mc admin policy attach local readwrite --user "$S3_ACCESS_KEY_ID" ;;
+esac
 echo "bucket $S3_BUCKET ready for $S3_ACCESS_KEY_ID"

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
@@ -268,6 +272,83 @@ def test_cluster_profile_is_three_masters_and_a_one_shot_create(binary: str) -> 
     script = (COMPOSE / "redis" / "cluster-init.sh").read_text()
     assert "redis-cli --cluster create" in script and "--cluster-replicas 0" in script
     assert init["environment"]["CLUSTER_NODES"].split() == [f"{n}:700{n[-1]}" for n in nodes]
+
+
+def free_cluster_port(taken: set[int]) -> int:
+    """A loopback port p with p + 10000 (its cluster bus port) also free, both below 65536."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 55000)
+        if {port, port + 10000} & taken:
+            continue
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        taken |= {port, port + 10000}
+        return port
+
+
+def redis_ping(port: int) -> bool:
+    return subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout == b"PONG\n"
+
+
+@pytest.fixture
+def cluster_nodes(tmp_path: Path) -> Iterator[list[int]]:
+    """Three empty cluster-enabled redis-server processes on loopback, as the profile starts them."""
+    if not (shutil.which("redis-server") and shutil.which("redis-cli")):
+        pytest.skip("redis-server / redis-cli not installed (bash scripts/setup.sh --test installs them)")
+    taken: set[int] = set()
+    ports = [free_cluster_port(taken) for _ in range(3)]
+    logs = {p: tmp_path / f"redis-{p}.log" for p in ports}
+    procs = []
+    for p in ports:
+        with logs[p].open("wb") as log:
+            args = ["--port", str(p), "--bind", "127.0.0.1", "--dir", str(tmp_path)]
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf"]
+            args += ["--save", "", "--appendonly", "no"]
+            procs.append(subprocess.Popen(["redis-server", *args], stdout=log, stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 10
+        for p, proc in zip(ports, procs):
+            while not redis_ping(p):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"redis-server on port {p} did not start: {logs[p].read_text()}")
+                time.sleep(0.05)
+        yield ports
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+
+
+def test_cluster_init_script_forms_the_cluster_once(cluster_nodes: list[int]) -> None:
+    env = clean_env(CLUSTER_NODES=" ".join(f"127.0.0.1:{p}" for p in cluster_nodes))
+    script = ["sh", str(COMPOSE / "redis" / "cluster-init.sh")]
+    first = subprocess.run(script, capture_output=True, text=True, env=env, timeout=60)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "redis cluster formed" in first.stdout
+    for port in cluster_nodes:
+        info = subprocess.run(
+            ["redis-cli", "-p", str(port), "cluster", "info"], capture_output=True, text=True
+        )
+        assert "cluster_state:ok" in info.stdout and "cluster_size:3" in info.stdout
+    # a key written through one node is read back through another
+    p1, p2, _ = cluster_nodes
+    assert (
+        subprocess.run(["redis-cli", "-c", "-p", str(p1), "set", "chunk", "kv"], capture_output=True).stdout
+        == b"OK\n"
+    )
+    assert (
+        subprocess.run(["redis-cli", "-c", "-p", str(p2), "get", "chunk"], capture_output=True).stdout
+        == b"kv\n"
+    )
+    again = subprocess.run(script, capture_output=True, text=True, env=env, timeout=60)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "already formed" in again.stdout
 
 
 def test_serving_image_requirements_leave_out_the_base_images_own() -> None:
