@@ -146,7 +146,7 @@ class S3Options:
             max_pool_connections=self.concurrency,
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
-            retries={"mode": self.retry_mode, "max_attempts": self.max_attempts},
+            retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
             s3={"addressing_style": self.addressing_style},
             request_checksum_calculation=self.checksum,
             response_checksum_validation=self.checksum,

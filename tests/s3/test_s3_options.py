@@ -26,7 +26,7 @@ def test_options_are_parsed():
     cfg = o.botocore_config()
     assert cfg.max_pool_connections == 32
     assert cfg.request_checksum_calculation == "when_supported"
-    assert cfg.retries == {"mode": "adaptive", "max_attempts": 4}
+    assert cfg.retries == {"mode": "adaptive", "total_max_attempts": 4}
 
 
 @pytest.mark.parametrize(

@@ -168,6 +168,10 @@ class FaultProxy:
 
     def close(self) -> None:
         self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        except OSError:
+            pass
         self._listener.close()
         self.drop_connections()
         self._thread.join(timeout=5)
@@ -214,7 +218,7 @@ class FaultProxy:
                     _reset(client)
                     return
                 if fault is not None:
-                    client.sendall(_error_response(fault))
+                    client.sendall(_error_response(fault, head_only=head.startswith(b"HEAD ")))
                     continue
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
@@ -237,7 +241,7 @@ class FaultProxy:
                     s.close()
 
 
-def _error_response(fault: Fault) -> bytes:
+def _error_response(fault: Fault, head_only: bool = False) -> bytes:
     status, reason, code, message = _BODIES[fault]
     body = (
         f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
@@ -247,7 +251,7 @@ def _error_response(fault: Fault) -> bytes:
         f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
         f"Content-Length: {len(body)}\r\nConnection: keep-alive\r\n\r\n"
     ).encode()
-    return head + body
+    return head if head_only else head + body  # a HEAD answer carries no body
 
 
 def _reset(sock: socket.socket) -> None:
