@@ -14,6 +14,13 @@ Usage::
         proxy.set_mode(Fault.RESET)          # every request is reset until set_mode(None)
         proxy.requests, proxy.injected       # counters
 
+    FaultProxy(upstream, rate=100 * 2**20, latency=0.02)  # a WAN-like link: per-connection
+                                                          # bandwidth cap and added latency
+
+As a separate process (so its relaying does not share the caller's GIL), e.g. in
+benchmarks: ``python -m tests.support.fault_proxy UPSTREAM_PORT [--rate MiB/s]
+[--latency SECONDS]`` prints the port it listens on and runs until killed.
+
 Blocking threads (one per client connection), so it works for sync and async clients
 alike and outlives any event loop.  Requests are framed by Content-Length (S3 clients
 send no chunked request bodies unless asked; ``Expect: 100-continue`` is answered by the
@@ -50,6 +57,26 @@ class _Closed(Exception):
     pass
 
 
+class _Pace:
+    """Per-connection bandwidth cap for response bodies (None: unlimited)."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.rate = rate
+        self.start = time.monotonic()
+        self.sent = 0
+
+    def chunk(self) -> int:
+        return 1 << 20 if self.rate is None else 1 << 16
+
+    def account(self, n: int) -> None:
+        if self.rate is None:
+            return
+        self.sent += n
+        ahead = self.sent / self.rate - (time.monotonic() - self.start)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
 def _recv_until(sock: socket.socket, buf: bytearray, marker: bytes) -> int:
     while True:
         i = buf.find(marker)
@@ -84,7 +111,9 @@ def _read_head(sock: socket.socket, buf: bytearray) -> tuple[bytes, dict[str, st
     return head, headers
 
 
-def _relay_body(src: socket.socket, buf: bytearray, dst: socket.socket, headers: dict[str, str]) -> None:
+def _relay_body(
+    src: socket.socket, buf: bytearray, dst: socket.socket, headers: dict[str, str], pace: _Pace
+) -> None:
     if "chunked" in headers.get("transfer-encoding", "").lower():
         while True:
             end = _recv_until(src, buf, b"\r\n")
@@ -103,18 +132,28 @@ def _relay_body(src: socket.socket, buf: bytearray, dst: socket.socket, headers:
         dst.sendall(take)
         left -= len(take)
     while left > 0:
-        chunk = src.recv(min(left, 1 << 20))
+        chunk = src.recv(min(left, pace.chunk()))
         if not chunk:
             raise _Closed
         dst.sendall(chunk)
+        pace.account(len(chunk))
         left -= len(chunk)
 
 
 class FaultProxy:
     """See the module docstring."""
 
-    def __init__(self, upstream: tuple[str, int], port: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: tuple[str, int],
+        port: int = 0,
+        *,
+        rate: float | None = None,
+        latency: float = 0.0,
+    ) -> None:
         self.upstream = upstream
+        self.rate = rate  # bytes/s per connection for response bodies, as a WAN link would allow
+        self.latency = latency  # seconds added before each relayed response
         self._listener = socket.create_server((HOST, port))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
@@ -223,13 +262,15 @@ class FaultProxy:
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
                     self._track(upstream, True)
+                if self.latency:
+                    time.sleep(self.latency)
                 upstream.sendall(head + body)
                 rhead, rheaders = _read_head(upstream, ubuf)
                 client.sendall(rhead)
                 status = int(rhead.split(b" ", 2)[1])
                 method = head.split(b" ", 1)[0]
                 if method != b"HEAD" and status not in (204, 304) and status >= 200:
-                    _relay_body(upstream, ubuf, client, rheaders)
+                    _relay_body(upstream, ubuf, client, rheaders, _Pace(self.rate))
                 if rheaders.get("connection", "").lower() == "close":
                     return
         except (_Closed, OSError, ValueError, IndexError):
@@ -261,3 +302,21 @@ def _reset(sock: socket.socket) -> None:
         sock.close()
     except OSError:
         pass
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="loopback HTTP fault / WAN-emulation proxy")
+    ap.add_argument("upstream_port", type=int)
+    ap.add_argument("--rate", type=float, help="MiB/s per connection for response bodies")
+    ap.add_argument("--latency", type=float, default=0.0, help="seconds added before each response")
+    args = ap.parse_args()
+    rate = args.rate * (1 << 20) if args.rate else None
+    proxy = FaultProxy((HOST, args.upstream_port), rate=rate, latency=args.latency).start()
+    print(proxy.port, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
