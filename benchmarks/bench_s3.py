@@ -43,6 +43,7 @@ from kvstore.benchmark.baseline_s3 import Baseline  # noqa: E402
 MiB = 1 << 20
 WAN_RATE = 100.0  # MiB/s per connection: about what one S3 connection gives over a WAN
 WAN_LATENCY = 0.02  # seconds of time-to-first-byte added per response
+SECTIONS = ("putget", "ranged", "checksum", "contains")
 
 
 def mibs(nbytes: int, seconds: float) -> float:
@@ -138,19 +139,25 @@ async def ranged_rows(url: str, size: int, rounds: int, range_sizes: list[int]) 
 
 
 async def checksum_rows(url: str, size: int, count: int, rounds: int) -> dict:
+    """PUT MiB/s and client CPU seconds per GiB with botocore checksums off / on."""
     view = memoryview(bytearray(os.urandom(size)))
-    out = {}
+    out: dict[str, dict[str, float]] = {}
+    opts = S3Options.from_url(url)
     backends = {
-        c: S3Backend(url, dataclasses.replace(S3Options.from_url(url), checksum=c))
-        for c in ("when_required", "when_supported")
+        c: S3Backend(url, dataclasses.replace(opts, checksum=c)) for c in ("when_required", "when_supported")
     }
     names = [f"bench/ck/{i}" for i in range(count)]
     for b in backends.values():
         await b.open()
+    gib = size * count / (1 << 30)
     for _ in range(rounds):
         for c, b in backends.items():
-            t = await timed(b.put_many([(n, view) for n in names]))
-            out[c] = max(out.get(c, 0.0), mibs(size * count, t))
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            assert all(await b.put_many([(n, view) for n in names]))
+            cpu, t = time.process_time() - cpu0, time.perf_counter() - t0
+            row = out.setdefault(c, {"mibs": 0.0, "cpu": float("inf")})
+            row["mibs"] = max(row["mibs"], mibs(size * count, t))
+            row["cpu"] = min(row["cpu"], cpu / gib)
     for b in backends.values():
         await b.delete_many(names)
         await b.close()
@@ -161,23 +168,36 @@ async def contains_rows(url: str, stored: int, batches: list[int], rounds: int) 
     opts = S3Options.from_url(url)
     head = S3Backend(url, dataclasses.replace(opts, contains="head"))
     lst = S3Backend(url, dataclasses.replace(opts, contains="list"))
+    auto = S3Backend(url, dataclasses.replace(opts, contains="auto"))
     await head.open()
     await lst.open()
+    await auto.open()
     names = [f"bench/c/{i:06d}" for i in range(stored)]
     for lo in range(0, stored, 500):
         assert all(await head.put_many([(n, b"x") for n in names[lo : lo + 500]]))
     rows = []
     for n in batches:
         probe = names[:: max(1, stored // n)][:n]
-        best_h = best_l = float("inf")
+        best_h = best_l = best_a = float("inf")
         for _ in range(rounds):
             best_h = min(best_h, await timed(head.contains_many(probe)))
             best_l = min(best_l, await timed(lst.contains_many(probe)))
+            best_a = min(best_a, await timed(auto.contains_many(probe)))
         assert await head.contains_many(probe) == await lst.contains_many(probe) == [True] * len(probe)
-        rows.append({"stored": stored, "batch": len(probe), "head_ms": best_h * 1e3, "list_ms": best_l * 1e3})
+        assert await auto.contains_many(probe) == [True] * len(probe)
+        rows.append(
+            {
+                "stored": stored,
+                "batch": len(probe),
+                "head_ms": best_h * 1e3,
+                "list_ms": best_l * 1e3,
+                "auto_ms": best_a * 1e3,
+            }
+        )
     await head.delete_many(names)
     await head.close()
     await lst.close()
+    await auto.close()
     return rows
 
 
@@ -209,7 +229,9 @@ async def ranged_table(lines: list[str], url: str, sizes: list[int], rounds: int
             )
 
 
-async def bench(url: str, rounds: int, quick: bool, wan_url: str | None = None) -> str:
+async def bench(
+    url: str, rounds: int, quick: bool, wan_url: str | None = None, only: tuple[str, ...] = SECTIONS
+) -> str:
     lines = []
     o = S3Options.from_url(url)
     lines.append(
@@ -217,41 +239,51 @@ async def bench(url: str, rounds: int, quick: bool, wan_url: str | None = None) 
         f"part_size={o.part_size // MiB} MiB, range_size={o.range_size // MiB} MiB, checksum={o.checksum}; "
         f"best of {rounds} interleaved rounds.\n"
     )
-    lines.append("### put / get vs plain aiobotocore (same run)\n")
-    lines.append("| op | object | in flight | kvstore MiB/s | aiobotocore MiB/s | ratio |")
-    lines.append("|---|---|---|---|---|---|")
-    cases = [(8 * MiB, 16, 1), (8 * MiB, 16, 8), (32 * MiB, 6, 1), (32 * MiB, 6, 3)]
-    if quick:
-        cases = [(8 * MiB, 4, 1), (32 * MiB, 2, 1)]
-    for size, count, batch in cases:
-        for r in await put_get_rows(url, size, count, batch, rounds):
+    if "putget" in only:
+        lines.append("### put / get vs plain aiobotocore (same run)\n")
+        lines.append("| op | object | in flight | kvstore MiB/s | aiobotocore MiB/s | ratio |")
+        lines.append("|---|---|---|---|---|---|")
+        cases = [(8 * MiB, 16, 1), (8 * MiB, 16, 8), (32 * MiB, 6, 1), (32 * MiB, 6, 3)]
+        if quick:
+            cases = [(8 * MiB, 4, 1), (32 * MiB, 2, 1)]
+        for size, count, batch in cases:
+            for r in await put_get_rows(url, size, count, batch, rounds):
+                lines.append(
+                    f"| {r['op']} | {size // MiB} MiB | {batch} | {r['kv']:.0f} | {r['base']:.0f} | "
+                    f"{r['kv'] / r['base']:.2f} |"
+                )
+    if "ranged" in only:
+        lines.append("\n### one GET: parallel ranges vs a single request\n")
+        sizes = [32 * MiB] if quick else [32 * MiB, 128 * MiB]
+        lines.append("Loopback, server on the same cores:\n")
+        await ranged_table(lines, url, sizes, rounds)
+        if wan_url is not None:
             lines.append(
-                f"| {r['op']} | {size // MiB} MiB | {batch} | {r['kv']:.0f} | {r['base']:.0f} | "
-                f"{r['kv'] / r['base']:.2f} |"
+                f"\nThrough a WAN-like link ({WAN_RATE:.0f} MiB/s per connection, +{WAN_LATENCY * 1e3:.0f} ms per response):\n"
             )
-    lines.append("\n### one GET: parallel ranges vs a single request\n")
-    sizes = [32 * MiB] if quick else [32 * MiB, 128 * MiB]
-    lines.append("Loopback, server on the same cores:\n")
-    await ranged_table(lines, url, sizes, rounds)
-    if wan_url is not None:
+            await ranged_table(lines, wan_url, sizes, rounds)
+    if "checksum" in only:
+        lines.append("\n### botocore request checksums on PUT (8 MiB objects, 8 in flight)\n")
+        ck = await checksum_rows(url, 8 * MiB, 8, rounds)
+        lines.append("| checksum | PUT MiB/s | client CPU s per GiB |")
+        lines.append("|---|---|---|")
+        for c, v in ck.items():
+            lines.append(f"| {c} | {v['mibs']:.0f} | {v['cpu']:.2f} |")
+        off, on = ck["when_required"], ck["when_supported"]
         lines.append(
-            f"\nThrough a WAN-like link ({WAN_RATE:.0f} MiB/s per connection, +{WAN_LATENCY * 1e3:.0f} ms per response):\n"
+            f"\nwhen_supported: {100 * (1 - on['mibs'] / off['mibs']):.0f}% less PUT MiB/s, "
+            f"{100 * (on['cpu'] / off['cpu'] - 1):.0f}% more client CPU per byte.\n"
         )
-        await ranged_table(lines, wan_url, sizes, rounds)
-    lines.append("\n### botocore request checksums on PUT (8 MiB objects, 8 in flight)\n")
-    ck = await checksum_rows(url, 8 * MiB, 8, rounds)
-    lines.append("| checksum | PUT MiB/s |")
-    lines.append("|---|---|")
-    for c, v in ck.items():
-        lines.append(f"| {c} | {v:.0f} |")
-    lines.append(
-        f"\nwhen_supported costs {100 * (1 - ck['when_supported'] / ck['when_required']):.0f}% of PUT throughput.\n"
-    )
-    lines.append("### contains_many: HEAD per key vs one listing\n")
-    lines.append("| objects under prefix | batch | HEAD ms | listing ms |")
-    lines.append("|---|---|---|---|")
-    for r in await contains_rows(url, 2000 if not quick else 500, [8, 32, 64, 256, 1000], rounds):
-        lines.append(f"| {r['stored']} | {r['batch']} | {r['head_ms']:.1f} | {r['list_ms']:.1f} |")
+    if "contains" in only:
+        lines.append("### contains_many: HEAD per key vs one listing\n")
+        lines.append(
+            f"| objects under prefix | batch | HEAD ms | listing ms | auto ms (contains_list_min={o.contains_list_min}) |"
+        )
+        lines.append("|---|---|---|---|---|")
+        for r in await contains_rows(url, 2000 if not quick else 500, [8, 32, 64, 128, 256, 1000], rounds):
+            lines.append(
+                f"| {r['stored']} | {r['batch']} | {r['head_ms']:.1f} | {r['list_ms']:.1f} | {r['auto_ms']:.1f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -261,7 +293,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer, smaller cases")
     ap.add_argument("--out", help="also write the markdown report here")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
     args = ap.parse_args()
+    only = tuple(x.strip() for x in args.only.split(",") if x.strip())
+    if unknown := set(only) - set(SECTIONS):
+        ap.error(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
     try:
         import torch
 
@@ -270,7 +306,11 @@ def main() -> None:
         pass
     header = f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
     if args.url:
-        report = header + "server: given URL\n\n" + asyncio.run(bench(args.url, args.rounds, args.quick))
+        report = (
+            header
+            + "server: given URL\n\n"
+            + asyncio.run(bench(args.url, args.rounds, args.quick, None, only))
+        )
     else:
         from tests.support.seaweed import SeaweedS3
 
@@ -284,7 +324,7 @@ def main() -> None:
                 report = (
                     header
                     + "server: SeaweedFS `weed mini` on loopback, same machine\n\n"
-                    + asyncio.run(bench(url, args.rounds, args.quick, wan_url))
+                    + asyncio.run(bench(url, args.rounds, args.quick, wan_url, only))
                 )
     print(report)
     if args.out:

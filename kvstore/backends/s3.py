@@ -433,14 +433,20 @@ class S3Backend(Backend):
         if not jobs or not await self._ready():
             return out
         mode = self.options.contains
+        heads = jobs
         if mode == "list" or (mode == "auto" and len(jobs) >= self.options.contains_list_min):
-            found = await self._guarded(lambda: self._keys_between([k for _, k in jobs]))
-            if found is not _FAILED and found is not None:
-                for i, k in jobs:
-                    out[i] = k in found  # type: ignore[operator]
-            return out
-        results = await asyncio.gather(*(self._guarded(lambda k=k: self._head(k)) for _, k in jobs))
-        for (i, _), res in zip(jobs, results):
+            # auto: one listing page (up to 1000 keys) per contains_list_min keys asked, then
+            # HEAD whatever the listing did not reach (a crowded prefix costs no more than HEADs)
+            pages = None if mode == "list" else max(1, len(jobs) // self.options.contains_list_min)
+            listed = await self._guarded(lambda: self._keys_between([k for _, k in jobs], pages))
+            if listed is _FAILED or listed is None:
+                return out
+            found, reached = listed  # type: ignore[misc]
+            for i, k in jobs:
+                out[i] = k in found
+            heads = [(i, k) for i, k in jobs if reached is not None and k > reached]
+        results = await asyncio.gather(*(self._guarded(lambda k=k: self._head(k)) for _, k in heads))
+        for (i, _), res in zip(heads, results):
             out[i] = res is True
         return out
 
@@ -448,8 +454,12 @@ class S3Backend(Backend):
         await self._request(self._client.head_object, Bucket=self.options.bucket, Key=key)
         return True
 
-    async def _keys_between(self, keys: list[str]) -> set[str]:
-        """The existing keys among `keys`, from one listing of their common prefix and span."""
+    async def _keys_between(self, keys: list[str], max_pages: int | None) -> tuple[set[str], str | None]:
+        """The existing keys among `keys` from a listing of their common prefix and span.
+
+        Returns (found, reached): `reached` is None when the listing covered every key,
+        else the last key listed once `max_pages` pages were read (keys after it unknown).
+        """
         lo, hi = min(keys), max(keys)
         prefix = _common_prefix(lo, hi)
         found: set[str] = set()
@@ -457,16 +467,21 @@ class S3Backend(Backend):
         kw: dict[str, Any] = {"Bucket": self.options.bucket, "Prefix": prefix}
         if len(lo) > len(prefix):
             kw["StartAfter"] = lo[:-1]  # exclusive, and sorts before `lo`
+        pages = 0
         while True:
             page = await self._request(self._client.list_objects_v2, **kw)
-            for item in page.get("Contents", ()):
+            pages += 1
+            contents = page.get("Contents", ())
+            for item in contents:
                 k = item["Key"]
                 if k > hi:
-                    return found
+                    return found, None
                 if k in wanted:
                     found.add(k)
             if not page.get("IsTruncated"):
-                return found
+                return found, None
+            if max_pages is not None and pages >= max_pages and contents:
+                return found, contents[-1]["Key"]
             kw["ContinuationToken"] = page["NextContinuationToken"]
             kw.pop("StartAfter", None)
 

@@ -32,7 +32,7 @@ read_timeout                   10               seconds of socket silence before
 breaker_failures               5                consecutive failures that open the breaker
 breaker_reset                  1.0              seconds before an open breaker lets a probe by
 contains                       auto             head | list | auto (list for large batches)
-contains_list_min              64               batch size from which auto uses a listing
+contains_list_min              128              batch size from which auto uses a listing
 =============================  ===============  ===========================================
 """
 
@@ -72,7 +72,7 @@ class S3Options:
     breaker_failures: int = 5
     breaker_reset: float = 1.0
     contains: str = "auto"
-    contains_list_min: int = 64
+    contains_list_min: int = 128
 
     @classmethod
     def from_url(cls, url: str) -> S3Options:

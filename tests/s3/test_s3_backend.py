@@ -86,6 +86,9 @@ async def test_listing_and_contains_and_deletes_past_1000_keys(s3_url):
         expected = [True] * len(names[::2]) + [False] * 50
         b.options = dataclasses.replace(b.options, contains="list")
         assert await b.contains_many(probe) == expected
+        # auto with a budget of one listing page: the keys past the first 1000 are HEADed
+        b.options = dataclasses.replace(b.options, contains="auto", contains_list_min=500)
+        assert await b.contains_many(probe) == expected
         b.options = dataclasses.replace(b.options, contains="head")
         assert await b.contains_many(probe[:40] + probe[-5:]) == expected[:40] + expected[-5:]
 
