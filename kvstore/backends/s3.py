@@ -32,6 +32,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+import aiohttp
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
 from kvstore.backends.base import (
     Alloc,
     Backend,
@@ -78,8 +81,6 @@ def error_code(exc: BaseException) -> tuple[str, int]:
 
 def error_kind(exc: BaseException) -> str:
     """A short, stable name for a failure, used as a counter key in `stats()`."""
-    from botocore.exceptions import ClientError, NoCredentialsError
-
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return "timeout"
     if isinstance(exc, ClientError):
@@ -101,7 +102,9 @@ def error_kind(exc: BaseException) -> str:
         return "no_credentials"
     if isinstance(exc, ShortBody):
         return "short_body"
-    return "connection"
+    if isinstance(exc, (OSError, aiohttp.ClientError, BotoCoreError)):
+        return "connection"  # refused, reset, DNS, read timeouts, broken streams
+    return "other"
 
 
 def explain_open_error(exc: BaseException, options: S3Options) -> str:
@@ -265,7 +268,10 @@ class S3Backend(Backend):
                 ok = True
                 return None
             self.errors[kind] += 1
-            log.debug("S3 operation failed (%s): %r", kind, exc)
+            if kind == "other":  # not a server or network fault: most likely a bug, show it
+                log.warning("S3 operation failed unexpectedly", exc_info=exc)
+            else:
+                log.debug("S3 operation failed (%s): %r", kind, exc)
             return _FAILED
         finally:
             self.breaker.record(ok)

@@ -10,6 +10,7 @@ import pytest
 
 from kvstore.backends import open_backend
 from kvstore.backends.s3 import S3Backend, S3OpenError
+from kvstore.benchmark import baseline_for
 
 MiB = 1 << 20
 
@@ -135,3 +136,27 @@ async def test_botocore_checksums_can_be_switched_on(s3_url):
         data = os.urandom(3 * MiB)
         assert await b.put("c/x", data)
         assert bytes(await b.get("c/x")) == data
+
+
+async def test_failing_alloc_is_counted_not_raised(backend):
+    assert await backend.put("a/x", b"abc")
+
+    def broken(size: int) -> memoryview:
+        raise MemoryError("no room")
+
+    assert await backend.get_many(["a/x"], alloc=broken) == [None]
+    assert backend.stats().extra["errors"] == {"other": 1}
+    assert backend.counters.get_errors == 1
+
+
+async def test_baseline_moves_the_same_bytes(s3_url):
+    url = s3_url()
+    base = baseline_for(url)
+    await base.open(url)
+    data = memoryview(bytearray(os.urandom(3 * MiB)))
+    await base.put(7, data)
+    into = memoryview(bytearray(3 * MiB))
+    assert await base.get(7, into) == 3 * MiB and into == data
+    await base.close()
+    async with open_backend(url) as b:  # under the backend's prefix, where `kvstore bench` looks
+        assert [i.name async for i in b.list("bench-baseline/")] == ["bench-baseline/7"]

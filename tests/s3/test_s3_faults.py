@@ -110,13 +110,22 @@ async def test_server_killed_mid_batch_then_restarted_backend_recovers(env, serv
     blobs = {f"c/{i}": os.urandom(2 << 20) for i in range(24)}
     assert all(await b.put_many(list(blobs.items())))
 
-    asyncio.get_running_loop().call_later(0.05, server.kill)
+    allocs = 0
+
+    def alloc_then_kill(size: int) -> memoryview:
+        nonlocal allocs
+        allocs += 1
+        if allocs == 3:  # the third object's answer has begun: kill the server mid-batch
+            server.kill()
+        return memoryview(bytearray(size))
+
     t0 = time.monotonic()
-    got = await b.get_many(list(blobs))  # must not raise
+    got = await b.get_many(list(blobs), alloc=alloc_then_kill)  # must not raise
     elapsed = time.monotonic() - t0
     assert elapsed < 3 + 2
     failed = sum(g is None for g in got)
-    assert failed > 0 and b.counters.get_errors == failed and b.counters.misses == failed
+    # at most two objects were done and two in flight (concurrency=2) when it died
+    assert failed >= len(blobs) - 4 and b.counters.get_errors == failed and b.counters.misses == failed
     assert all(bytes(g) == blobs[n] for n, g in zip(blobs, got) if g is not None)  # no torn data
     assert await b.put_many([("c/new", b"n")]) == [False]
     assert await b.contains_many(["c/0"]) == [False]
