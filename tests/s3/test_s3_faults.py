@@ -62,6 +62,23 @@ async def test_slowdown_5xx_and_resets_are_retried_by_botocore(env, proxy):
         assert b.counters.put_errors == b.counters.get_errors == 0
 
 
+async def test_concurrency_is_bounded_and_parts_and_ranges_run_in_parallel(env, server):
+    # 50 ms per answer, so requests that may overlap do overlap
+    with FaultProxy(("127.0.0.1", server.ports.s3), latency=0.05) as slow:
+        async with open_backend(proxied_url(slow, "par", concurrency=3)) as b:
+            assert all(await b.put_many([(f"p/{i}", b"x" * 100) for i in range(12)]))
+            assert await b.get_many([f"p/{i}" for i in range(12)]) == [memoryview(b"x" * 100)] * 12
+            assert slow.peak_active == 3  # never more than `concurrency`
+        async with open_backend(proxied_url(slow, "par")) as b:
+            big = os.urandom(40 << 20)  # five 8 MiB parts / ranges
+            slow.peak_active = 0
+            assert await b.put("p/big", big)
+            assert slow.peak_active >= 4
+            slow.peak_active = 0
+            assert bytes(await b.get("p/big")) == big
+            assert slow.peak_active >= 4
+
+
 async def test_persistent_throttling_becomes_counted_false_and_none(env, proxy):
     async with open_backend(proxied_url(proxy, "throttle", max_attempts=2, breaker_failures=100)) as b:
         proxy.set_mode(Fault.SLOWDOWN)

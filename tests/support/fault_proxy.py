@@ -13,6 +13,7 @@ Usage::
         proxy.inject(Fault.SLOWDOWN, count=2)  # the next two requests get 503 SlowDown
         proxy.set_mode(Fault.RESET)          # every request is reset until set_mode(None)
         proxy.requests, proxy.injected       # counters
+        proxy.peak_active                    # most requests relayed at once
 
     FaultProxy(upstream, rate=100 * 2**20, latency=0.02)  # a WAN-like link: per-connection
                                                           # bandwidth cap and added latency
@@ -162,6 +163,8 @@ class FaultProxy:
         self._socks: set[socket.socket] = set()
         self._stop = threading.Event()
         self.requests = 0
+        self.active = 0  # requests being relayed right now
+        self.peak_active = 0  # the most relayed at once (how parallel the client really is)
         self.injected: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._accept_loop, name="fault-proxy", daemon=True)
 
@@ -262,15 +265,22 @@ class FaultProxy:
                 if upstream is None:
                     upstream = socket.create_connection(self.upstream)
                     self._track(upstream, True)
-                if self.latency:
-                    time.sleep(self.latency)
-                upstream.sendall(head + body)
-                rhead, rheaders = _read_head(upstream, ubuf)
-                client.sendall(rhead)
-                status = int(rhead.split(b" ", 2)[1])
-                method = head.split(b" ", 1)[0]
-                if method != b"HEAD" and status not in (204, 304) and status >= 200:
-                    _relay_body(upstream, ubuf, client, rheaders, _Pace(self.rate))
+                with self._lock:
+                    self.active += 1
+                    self.peak_active = max(self.peak_active, self.active)
+                try:
+                    if self.latency:
+                        time.sleep(self.latency)
+                    upstream.sendall(head + body)
+                    rhead, rheaders = _read_head(upstream, ubuf)
+                    client.sendall(rhead)
+                    status = int(rhead.split(b" ", 2)[1])
+                    method = head.split(b" ", 1)[0]
+                    if method != b"HEAD" and status not in (204, 304) and status >= 200:
+                        _relay_body(upstream, ubuf, client, rheaders, _Pace(self.rate))
+                finally:
+                    with self._lock:
+                        self.active -= 1
                 if rheaders.get("connection", "").lower() == "close":
                     return
         except (_Closed, OSError, ValueError, IndexError):
