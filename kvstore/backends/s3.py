@@ -197,9 +197,11 @@ class S3Backend(Backend):
 
     async def open(self) -> S3Backend:
         """Open the client and check the bucket; raise `S3OpenError` saying what to fix."""
-        client = await self._get_client()
+        if self._closed:
+            raise RuntimeError("S3Backend is closed")
         o = self.options
         try:
+            client = await self._get_client()
             await asyncio.wait_for(
                 client.list_objects_v2(Bucket=o.bucket, Prefix=o.key(""), MaxKeys=1), o.timeout
             )

@@ -160,3 +160,27 @@ async def test_baseline_moves_the_same_bytes(s3_url):
     await base.close()
     async with open_backend(url) as b:  # under the backend's prefix, where `kvstore bench` looks
         assert [i.name async for i in b.list("bench-baseline/")] == ["bench-baseline/7"]
+
+
+async def test_no_credentials_and_unreachable_endpoint_say_what_to_fix(s3_env, monkeypatch, tmp_path):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    b = open_backend(s3_env.url("kvstore-test", "p"))
+    with pytest.raises(S3OpenError, match="no AWS credentials found; set AWS_ACCESS_KEY_ID"):
+        await b.open()
+    await b.close()
+
+    for k, v in s3_env.env().items():
+        monkeypatch.setenv(k, v)
+    from tests.support.seaweed import free_port
+
+    b = open_backend(
+        f"s3://kvstore-test/p?endpoint_url=http://127.0.0.1:{free_port()}&connect_timeout=0.5&max_attempts=1"
+    )
+    with pytest.raises(S3OpenError, match=r"cannot reach http://127\.0\.0\.1:.*check endpoint_url"):
+        await b.open()
+    assert await b.get_many(["x"]) == [None]  # and on first use: a counted miss
+    await b.close()

@@ -298,9 +298,18 @@ class SeaweedS3:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        """Terminate the server and remove a temporary data directory."""
-        self.terminate()
+    def stop(self, graceful: bool | None = None) -> None:
+        """Stop the server and remove a temporary data directory.
+
+        SIGTERM (graceful, ~2 s) when the data directory is the caller's to keep, SIGKILL
+        (instant) when it is a temporary one about to be removed anyway.
+        """
+        if graceful is None:
+            graceful = self._tmp is None
+        if graceful:
+            self.terminate()
+        else:
+            self.kill()
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
