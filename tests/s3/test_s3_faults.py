@@ -149,7 +149,9 @@ async def test_server_killed_mid_batch_then_restarted_backend_recovers(env, serv
 
     server.restart()
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and not await b.put("c/new", b"n"):
+    while time.monotonic() < deadline:
+        if await b.put("c/new", b"n") and await b.get("c/new") == memoryview(b"n"):
+            break
         await asyncio.sleep(0.2)
     assert await b.get("c/new") == memoryview(b"n")  # the same backend object, no reopen
     assert bytes(await b.get("c/5")) == blobs["c/5"]

