@@ -328,7 +328,8 @@ class RedisBackend(Backend):
         else:
             if valid and (await self._run("get", [self._strlens(names, valid, sizes)], 0))[0]:
                 errors += len(valid)
-            small = [i for i in valid if 0 < sizes.get(i, 0) <= self.options.pipeline_max]
+            # STRLEN is 0 for absent keys and empty values alike: GET tells them apart
+            small = [i for i in valid if i in sizes and sizes[i] <= self.options.pipeline_max]
             big = [i for i in valid if sizes.get(i, 0) > self.options.pipeline_max]
         groups = ([small] if small else []) + [[i] for i in big]
         jobs = [self._get_small(names, small, alloc, out)] if small else []
