@@ -277,7 +277,7 @@ class RedisBackend(Backend):
         for _, name, data, ttl in small:
             pipe.set(layout.data_key(pfx, name), data, px=ttl)
         for name in single_names:  # a single-part value replaces any older multi-part one
-            pipe.unlink(layout.parts_key(pfx, name))
+            pipe.execute_command("UNLINK", layout.parts_key(pfx, name))
         replies = await pipe.execute(raise_on_error=False)
         for (i, _, _, _), r in zip(small, replies):
             ok[i] = r is True
@@ -407,7 +407,7 @@ class RedisBackend(Backend):
         async def job() -> None:
             pipe = self.client.pipeline(transaction=False)
             for n in names:
-                pipe.exists(layout.data_key(self.options.prefix, n))
+                pipe.execute_command("EXISTS", layout.data_key(self.options.prefix, n))
             for i, r in enumerate(await pipe.execute()):
                 out[i] = bool(r)
 
@@ -421,8 +421,8 @@ class RedisBackend(Backend):
             pfx = self.options.prefix
             pipe = self.client.pipeline(transaction=False)
             for n in names:
-                pipe.unlink(layout.data_key(pfx, n))
-                pipe.unlink(layout.parts_key(pfx, n))
+                pipe.execute_command("UNLINK", layout.data_key(pfx, n))
+                pipe.execute_command("UNLINK", layout.parts_key(pfx, n))
             replies = await pipe.execute()
             for i in range(len(names)):
                 out[i] = bool(replies[2 * i])

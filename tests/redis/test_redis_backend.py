@@ -14,6 +14,7 @@ from kvstore.backends import redis_layout as layout
 from tests.redis.conftest import FAST
 from tests.support.redis_server import RedisServer
 
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")  # an unawaited coroutine is a bug
 KiB, MiB = 1 << 10, 1 << 20
 
 

@@ -11,10 +11,13 @@ import asyncio
 import os
 import time
 
+import pytest
+
 from kvstore.backends import open_backend
 from tests.redis.conftest import FAST
 from tests.support.redis_server import RedisServer, free_port
 
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")  # an unawaited coroutine is a bug
 MiB = 1 << 20
 
 
@@ -117,7 +120,6 @@ async def test_multi_part_overwrite_cut_off_reads_old_or_new_never_a_mix():
         finally:
             await hanger
             srv.resume()
-        print("cut off:", not ok)
         got = await b.get(name)
         assert got is not None
         assert bytes(got) == (second if ok else first)
