@@ -29,10 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from kvstore.backends import open_backend  # noqa: E402
-from kvstore.benchmark.baseline_redis import Baseline, plain_client  # noqa: E402
+from kvstore.backends import open_backend
+from kvstore.benchmark.baseline_redis import Baseline, plain_client
 
 MiB = 1 << 20
 
@@ -60,7 +60,9 @@ class KvstoreRunner:
     async def get(self) -> None:
         for s in range(0, len(self.names), self.batch):
             slots = iter(self.bufs)
-            got = await self.b.get_many(self.names[s : s + self.batch], alloc=lambda n, it=slots: next(it)[:n])
+            got = await self.b.get_many(
+                self.names[s : s + self.batch], alloc=lambda n, it=slots: next(it)[:n]
+            )
             assert all(g is not None for g in got), "kvstore get missed"
 
     async def check(self) -> None:
@@ -83,7 +85,9 @@ class RedisPyRunner:
 
     async def put(self) -> None:
         for s in range(0, self.n, self.batch):
-            await asyncio.gather(*(self.base.put(i, self.data) for i in range(s, min(s + self.batch, self.n))))
+            await asyncio.gather(
+                *(self.base.put(i, self.data) for i in range(s, min(s + self.batch, self.n)))
+            )
 
     async def get(self) -> None:
         for s in range(0, self.n, self.batch):
@@ -146,7 +150,10 @@ class LMCacheRunner:
     async def close(self) -> None:
         for o in self.objs:
             o.ref_count_down()
-        await self.conn.close()
+        # RedisConnector.close() blocks on its executor from inside the loop it runs on
+        # (it expects to be called from another thread); close the same parts directly.
+        await self.conn.pq_executor.shutdown_async(wait=True)
+        await self.conn.connection.aclose()
 
 
 async def run_size(url: str, size_mib: int, args) -> dict[str, tuple[float, float]]:
@@ -155,7 +162,10 @@ async def run_size(url: str, size_mib: int, args) -> dict[str, tuple[float, floa
     nbytes = n * size
     data = memoryview(os.urandom(size))
     kv_url = url + ("&" if "?" in url else "?") + args.kv_options if args.kv_options else url
-    runners = [KvstoreRunner(kv_url, size, n, args.batch, data), RedisPyRunner(url, size, n, args.batch, data)]
+    runners = [
+        KvstoreRunner(kv_url, size, n, args.batch, data),
+        RedisPyRunner(url, size, n, args.batch, data),
+    ]
     await runners[1].open()
     if args.lmcache:
         runners.append(LMCacheRunner(url, size, n, args.batch, data))
@@ -192,7 +202,9 @@ async def main() -> None:
             from tests.support.redis_server import RedisServer
 
             url = stack.enter_context(RedisServer()).url
-        print(f"# Redis tier benchmark ({platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()})")
+        print(
+            f"# Redis tier benchmark ({platform.node()}, {os.cpu_count()} CPUs, python {platform.python_version()})"
+        )
         print(f"batch={args.batch} total={args.total_mib} MiB/phase repeat={args.repeat} (best MiB/s)\n")
         head = "| size | kvstore put | redis-py SET | put ratio | kvstore get | redis-py GET | get ratio |"
         if args.lmcache:

@@ -16,7 +16,8 @@ URLs::
 Options: ``prefix`` (key prefix, default ``kv:``), ``ttl`` (seconds, every namespace),
 ``ttl.<namespace>`` (seconds, one namespace; 0 = no expiry), ``part_size`` (largest
 single Redis value, default 512MiB, Redis's bulk limit), ``pipeline_max`` (values up to
-this size are pipelined, default 1MiB), ``inflight`` (big values in flight at once,
+this size are pipelined, default 64KiB; bigger ones go as concurrent single commands,
+which measured faster here from 1 MiB up), ``inflight`` (big values in flight at once,
 default 4), ``timeout`` (seconds per batch, default 5, plus 1 s per 64 MiB moved),
 ``connect_timeout`` (default 1), ``max_connections`` (default 32).  Credentials come
 from the URL or from ``KVSTORE_REDIS_USERNAME`` / ``KVSTORE_REDIS_PASSWORD``; they are
@@ -92,7 +93,7 @@ class RedisOptions:
     ttl: float | None = None
     ttl_by_namespace: tuple[tuple[str, float], ...] = ()
     part_size: int = layout.REDIS_BULK_LIMIT
-    pipeline_max: int = 1 * MIB
+    pipeline_max: int = 64 * 1024
     inflight: int = 4
     timeout: float = 5.0
     seconds_per_64mib: float = 1.0

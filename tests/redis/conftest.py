@@ -6,7 +6,6 @@ import pytest
 
 from tests.support.redis_server import RedisClusterProcs, RedisServer, redis_available
 
-
 # Quick deadlines so fault tests take seconds: connect 0.5 s, batch 2 s.
 FAST = "timeout=2&connect_timeout=0.5"
 
