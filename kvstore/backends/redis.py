@@ -105,6 +105,13 @@ class RedisOptions:
         return self.timeout + self.seconds_per_64mib * nbytes / (64 * MIB)
 
 
+@dataclass(slots=True)
+class Budget:
+    """Bytes a running batch moves; jobs add what they learn (multi-part totals)."""
+
+    nbytes: int = 0
+
+
 def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
     """Split a URL query into our `RedisOptions` and the options redis-py understands."""
     ours: dict[str, Any] = {}
@@ -201,17 +208,26 @@ class RedisBackend(Backend):
             log.warning("redis %s is answering again", redact_url(self.url))
             self._failing = False
 
-    async def _run(self, op: str, jobs: list[Awaitable[None]], nbytes: int) -> list[bool]:
+    async def _run(self, op: str, jobs: list[Awaitable[None]], nbytes: int | Budget) -> list[bool]:
         """Run the jobs of one batch concurrently under one deadline; say which failed.
 
-        Each job stores its own results; a job that fails or is still running at the
-        deadline leaves its results at their failure default.  Faults are not raised.
+        The deadline is `RedisOptions.deadline` of the bytes in `nbytes`; a `Budget`
+        lets jobs add bytes they discover (a manifest's total) while they run.  Each job
+        stores its own results; a job that fails or is still running at the deadline
+        leaves its results at their failure default.  Faults are not raised.
         """
         if not jobs:
             return []
+        budget = nbytes if isinstance(nbytes, Budget) else Budget(nbytes)
         tasks = [asyncio.ensure_future(j) for j in jobs]
-        deadline = self.options.deadline(nbytes)
-        _, pending = await asyncio.wait(tasks, timeout=deadline)
+        loop = asyncio.get_running_loop()
+        start, pending = loop.time(), set(tasks)
+        while pending:
+            deadline = self.options.deadline(budget.nbytes)
+            remaining = start + deadline - loop.time()
+            if remaining <= 0:
+                break
+            _, pending = await asyncio.wait(pending, timeout=remaining)
         for t in pending:
             t.cancel()
         if pending:
@@ -324,18 +340,17 @@ class RedisBackend(Backend):
             valid.append(i)
         errors = 0
         sizes: dict[int, int] = {}
-        if len(valid) == 1:  # one object: no need to learn its size first
-            small, big = [], valid
-        else:
-            if valid and (await self._run("get", [self._strlens(names, valid, sizes)], 0))[0]:
-                errors += len(valid)
-            # STRLEN is 0 for absent keys and empty values alike: GET tells them apart
-            small = [i for i in valid if i in sizes and sizes[i] <= self.options.pipeline_max]
-            big = [i for i in valid if sizes.get(i, 0) > self.options.pipeline_max]
+        # sizes first (one pipelined round trip): they route each object and set the deadline
+        if valid and (await self._run("get", [self._strlens(names, valid, sizes)], 0))[0]:
+            errors += len(valid)
+        # STRLEN is 0 for absent keys and empty values alike: GET tells them apart
+        small = [i for i in valid if i in sizes and sizes[i] <= self.options.pipeline_max]
+        big = [i for i in valid if sizes.get(i, 0) > self.options.pipeline_max]
         groups = ([small] if small else []) + [[i] for i in big]
-        jobs = [self._get_small(names, small, alloc, out)] if small else []
-        jobs += [self._get_big(names, i, alloc, out) for i in big]
-        failed = await self._run("get", jobs, sum(sizes.values()))
+        budget = Budget(sum(sizes.values()))
+        jobs = [self._get_small(names, small, alloc, out, budget)] if small else []
+        jobs += [self._get_big(names, i, alloc, out, budget) for i in big]
+        failed = await self._run("get", jobs, budget)
         errors += sum(len(g) for g, f in zip(groups, failed) if f)
         self.counters.gets += len(names)
         self.counters.get_errors += errors
@@ -359,26 +374,31 @@ class RedisBackend(Backend):
         buf[:] = data
         return buf
 
-    async def _resolve(self, name: str, data: bytes | None, alloc: Alloc) -> memoryview | None:
+    async def _resolve(
+        self, name: str, data: bytes | None, alloc: Alloc, budget: Budget
+    ) -> memoryview | None:
         if data is None:
             return None
         if len(data) == layout.MANIFEST_LEN:
             manifest = layout.decode_manifest(data)
             if manifest is not None:
+                budget.nbytes += manifest.total
                 return await self._get_parts(name, manifest, alloc)
         return self._place(data, alloc)
 
-    async def _get_small(self, names: Sequence[str], idx: list[int], alloc: Alloc, out: list) -> None:
+    async def _get_small(
+        self, names: Sequence[str], idx: list[int], alloc: Alloc, out: list, budget: Budget
+    ) -> None:
         pipe = self.client.pipeline(transaction=False)
         for i in idx:
             pipe.get(layout.data_key(self.options.prefix, names[i]))
         for i, data in zip(idx, await pipe.execute()):
-            out[i] = await self._resolve(names[i], data, alloc)
+            out[i] = await self._resolve(names[i], data, alloc, budget)
 
-    async def _get_big(self, names: Sequence[str], i: int, alloc: Alloc, out: list) -> None:
+    async def _get_big(self, names: Sequence[str], i: int, alloc: Alloc, out: list, budget: Budget) -> None:
         async with self._big:
             data = await self.client.get(layout.data_key(self.options.prefix, names[i]))
-        out[i] = await self._resolve(names[i], data, alloc)
+        out[i] = await self._resolve(names[i], data, alloc, budget)
 
     async def _get_parts(self, name: str, manifest: layout.Manifest, alloc: Alloc) -> memoryview | None:
         hkey = layout.parts_key(self.options.prefix, name)
