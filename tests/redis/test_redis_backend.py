@@ -12,7 +12,7 @@ import redis
 from kvstore.backends import open_backend
 from kvstore.backends import redis_layout as layout
 from tests.redis.conftest import FAST
-from tests.support.redis_server import RedisServer
+from tests.support.redis_server import RedisServer, redis_available
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")  # an unawaited coroutine is a bug
 KiB, MiB = 1 << 10, 1 << 20
@@ -198,3 +198,17 @@ async def test_refresh_stats_reports_server_figures(backend):
     st = await backend.refresh_stats()
     assert st.extra["server_keys"] == 10 and st.extra["server_used_memory"] > 10_000
     assert st.counters.puts == 10
+
+
+@pytest.mark.skipif(not redis_available(tls=True), reason="openssl is needed to make test certificates")
+async def test_tls_round_trip():
+    with RedisServer(tls=True) as srv:
+        b = open_backend(f"{srv.url}&{FAST}")
+        data = os.urandom(3 * MiB)
+        assert await b.put("ns/m/f-1-0/tls", data)
+        assert bytes(await b.get("ns/m/f-1-0/tls")) == data
+        await b.close()
+        # a client that does not trust the server's CA fails as a counted error, not an exception
+        untrusted = open_backend(f"rediss://{srv.host}:{srv.port}/0?{FAST}")
+        assert await untrusted.put("ns/m/f-1-0/tls", b"x") is False
+        await untrusted.close()

@@ -13,6 +13,8 @@ fault tests) can reuse.
         srv.url                             # "unix:///tmp/.../redis.sock"
     with RedisServer(password="s3cret") as srv:   # requirepass
         ...
+    with RedisServer(tls=True) as srv:      # TLS only, self-signed CA made with openssl
+        srv.url                             # "rediss://127.0.0.1:PORT/0?ssl_ca_certs=.../ca.crt"
     with RedisClusterProcs(masters=3) as cl:
         cl.url                              # "redis+cluster://127.0.0.1:P1,127.0.0.1:P2,..."
         cl.nodes[0].kill()
@@ -29,6 +31,7 @@ import random
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -37,9 +40,9 @@ from pathlib import Path
 __all__ = ["RedisClusterProcs", "RedisServer", "free_port", "redis_available"]
 
 
-def redis_available(cluster: bool = False) -> bool:
-    """True when `redis-server` (and `redis-cli` for clusters) can be run."""
-    need = ["redis-server", "redis-cli"] if cluster else ["redis-server"]
+def redis_available(cluster: bool = False, tls: bool = False) -> bool:
+    """True when `redis-server` (and `redis-cli` for clusters, `openssl` for TLS) can be run."""
+    need = ["redis-server"] + (["redis-cli"] if cluster else []) + (["openssl"] if tls else [])
     return all(shutil.which(b) for b in need)
 
 
@@ -86,6 +89,7 @@ class RedisServer:
         password: str | None = None,
         extra: list[str] | None = None,
         workdir: str | os.PathLike | None = None,
+        tls: bool = False,
     ) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvstore-redis-")
         self.dir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
@@ -99,6 +103,9 @@ class RedisServer:
             self.socket_path = None
             self.port = port or free_port()
         self.password = password
+        self.tls = tls
+        if tls:
+            make_test_certs(self.dir)
         self.extra = list(extra or [])
         self.proc: subprocess.Popen | None = None
 
@@ -113,6 +120,8 @@ class RedisServer:
         auth = f":{self.password}@" if self.password else ""
         if self.socket_path:
             return f"unix://{auth}{self.socket_path}"
+        if self.tls:
+            return f"rediss://{auth}{self.host}:{self.port}/0?ssl_ca_certs={self.dir / 'ca.crt'}"
         return f"redis://{auth}{self.host}:{self.port}/0"
 
     def args(self) -> list[str]:
@@ -121,7 +130,7 @@ class RedisServer:
             "--bind",
             "127.0.0.1",
             "--port",
-            str(self.port),
+            "0" if self.tls else str(self.port),
             "--dir",
             str(self.dir),
             "--save",
@@ -137,6 +146,15 @@ class RedisServer:
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            args += ["--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            args += [
+                "--tls-cert-file",
+                str(self.dir / "server.crt"),
+                "--tls-key-file",
+                str(self.dir / "server.key"),
+            ]
+            args += ["--tls-ca-cert-file", str(self.dir / "ca.crt")]
         return args + self.extra
 
     # -- lifecycle ---------------------------------------------------------------
@@ -223,6 +241,9 @@ class RedisServer:
         else:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             addr = (self.host, self.port)
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=str(self.dir / "ca.crt"))
+            s = ctx.wrap_socket(s, server_hostname=self.host)
         with s:
             s.settimeout(timeout)
             s.connect(addr)  # type: ignore[arg-type]
@@ -239,6 +260,60 @@ class RedisServer:
             return b"PONG" in self.command("PING", timeout=0.5)
         except OSError:
             return False
+
+
+def make_test_certs(directory: str | os.PathLike) -> None:
+    """Write ca.crt, server.crt and server.key (for 127.0.0.1) into `directory` with openssl."""
+    d = Path(directory)
+
+    def ssl_cmd(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, cwd=d, capture_output=True, timeout=60)
+
+    ssl_cmd(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kvstore-test-ca",
+    )
+    ssl_cmd(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    )
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ssl_cmd(
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    )
 
 
 def _resp(*args: str | bytes) -> bytes:
