@@ -329,7 +329,6 @@ class RedisBackend(Backend):
     # -- get ---------------------------------------------------------------------
     async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:
         out: list[memoryview | None] = [None] * len(names)
-        alloc = alloc or bytearray_alloc
         valid = []
         for i, name in enumerate(names):
             try:
@@ -369,13 +368,17 @@ class RedisBackend(Backend):
         for i, r in zip(idx, await pipe.execute()):
             sizes[i] = int(r)
 
-    def _place(self, data: bytes, alloc: Alloc) -> memoryview:
+    def _place(self, data: bytes, alloc: Alloc | None) -> memoryview:
+        """The reply as the caller wants it: a view of hiredis's bytes (no copy, read-only)
+        without `alloc`, else copied once into the caller's buffer."""
+        if alloc is None:
+            return memoryview(data)
         buf = alloc(len(data))[: len(data)]
         buf[:] = data
         return buf
 
     async def _resolve(
-        self, name: str, data: bytes | None, alloc: Alloc, budget: Budget
+        self, name: str, data: bytes | None, alloc: Alloc | None, budget: Budget
     ) -> memoryview | None:
         if data is None:
             return None
@@ -387,7 +390,7 @@ class RedisBackend(Backend):
         return self._place(data, alloc)
 
     async def _get_small(
-        self, names: Sequence[str], idx: list[int], alloc: Alloc, out: list, budget: Budget
+        self, names: Sequence[str], idx: list[int], alloc: Alloc | None, out: list, budget: Budget
     ) -> None:
         pipe = self.client.pipeline(transaction=False)
         for i in idx:
@@ -395,14 +398,19 @@ class RedisBackend(Backend):
         for i, data in zip(idx, await pipe.execute()):
             out[i] = await self._resolve(names[i], data, alloc, budget)
 
-    async def _get_big(self, names: Sequence[str], i: int, alloc: Alloc, out: list, budget: Budget) -> None:
+    async def _get_big(
+        self, names: Sequence[str], i: int, alloc: Alloc | None, out: list, budget: Budget
+    ) -> None:
         async with self._big:
             data = await self.client.get(layout.data_key(self.options.prefix, names[i]))
         out[i] = await self._resolve(names[i], data, alloc, budget)
 
-    async def _get_parts(self, name: str, manifest: layout.Manifest, alloc: Alloc) -> memoryview | None:
+    async def _get_parts(
+        self, name: str, manifest: layout.Manifest, alloc: Alloc | None
+    ) -> memoryview | None:
+        """Assemble the parts straight into one buffer (the caller's, with `alloc`)."""
         hkey = layout.parts_key(self.options.prefix, name)
-        buf = alloc(manifest.total)[: manifest.total]
+        buf = (alloc or bytearray_alloc)(manifest.total)[: manifest.total]
         missing = [False]
 
         async def fetch(index: int, field: str) -> None:
