@@ -155,6 +155,7 @@ class RedisBackend(Backend):
         self._big = asyncio.Semaphore(self.options.inflight)
         self._failing = False
         self._server: dict[str, Any] = {}
+        self._typical = 0  # size of the last single-part object moved: routes gets (see get_many)
 
     # -- construction ------------------------------------------------------------
     @classmethod
@@ -256,7 +257,6 @@ class RedisBackend(Backend):
         sizes = [0] * len(items)
         small: list[tuple[int, str, Any, int | None]] = []
         jobs: list[Awaitable[None]] = []
-        single_names: list[str] = []
         for i, (name, value) in enumerate(items):
             try:
                 check_object_name(name)
@@ -270,13 +270,13 @@ class RedisBackend(Backend):
                 jobs.append(self._put_multi(i, name, parts, size, ttl, ok))
                 continue
             data: Any = parts[0] if len(parts) == 1 else b"".join(parts)
-            single_names.append(name)
+            self._typical = size
             if size <= self.options.pipeline_max:
                 small.append((i, name, data, ttl))
             else:
                 jobs.append(self._put_big(i, name, data, ttl, ok))
-        if single_names:
-            jobs.append(self._put_small(small, single_names, ok))
+        if small:
+            jobs.append(self._put_small(small, ok))
         await self._run("put", jobs, sum(sizes))
         for i in range(len(items)):
             if ok[i]:
@@ -286,14 +286,12 @@ class RedisBackend(Backend):
                 self.counters.put_errors += 1
         return ok
 
-    async def _put_small(
-        self, small: list[tuple[int, str, Any, int | None]], single_names: list[str], ok: list[bool]
-    ) -> None:
+    async def _put_small(self, small: list[tuple[int, str, Any, int | None]], ok: list[bool]) -> None:
         pfx = self.options.prefix
         pipe = self.client.pipeline(transaction=False)
         for _, name, data, ttl in small:
             pipe.set(layout.data_key(pfx, name), data, px=ttl)
-        for name in single_names:  # a single-part value replaces any older multi-part one
+        for _, name, _, _ in small:  # drop parts of an older multi-part value (free here)
             pipe.execute_command("UNLINK", layout.parts_key(pfx, name))
         replies = await pipe.execute(raise_on_error=False)
         for (i, _, _, _), r in zip(small, replies):
@@ -339,14 +337,20 @@ class RedisBackend(Backend):
             valid.append(i)
         errors = 0
         sizes: dict[int, int] = {}
-        # sizes first (one pipelined round trip): they route each object and set the deadline
-        if valid and (await self._run("get", [self._strlens(names, valid, sizes)], 0))[0]:
-            errors += len(valid)
-        # STRLEN is 0 for absent keys and empty values alike: GET tells them apart
-        small = [i for i in valid if i in sizes and sizes[i] <= self.options.pipeline_max]
-        big = [i for i in valid if sizes.get(i, 0) > self.options.pipeline_max]
+        if self._typical > self.options.pipeline_max:
+            # objects here are big (as the last one moved was): no size round trip, every
+            # object as its own concurrent GET; the deadline assumes that typical size
+            small, big = [], valid
+            budget = Budget(self._typical * len(valid))
+        else:
+            # learn sizes first (one pipelined round trip): they route each object and set
+            # the deadline.  STRLEN is 0 for absent keys and empty values alike: GET tells.
+            if valid and (await self._run("get", [self._strlens(names, valid, sizes)], 0))[0]:
+                errors += len(valid)
+            small = [i for i in valid if i in sizes and sizes[i] <= self.options.pipeline_max]
+            big = [i for i in valid if sizes.get(i, 0) > self.options.pipeline_max]
+            budget = Budget(sum(sizes.values()))
         groups = ([small] if small else []) + [[i] for i in big]
-        budget = Budget(sum(sizes.values()))
         jobs = [self._get_small(names, small, alloc, out, budget)] if small else []
         jobs += [self._get_big(names, i, alloc, out, budget) for i in big]
         failed = await self._run("get", jobs, budget)
@@ -371,6 +375,7 @@ class RedisBackend(Backend):
     def _place(self, data: bytes, alloc: Alloc | None) -> memoryview:
         """The reply as the caller wants it: a view of hiredis's bytes (no copy, read-only)
         without `alloc`, else copied once into the caller's buffer."""
+        self._typical = len(data)
         if alloc is None:
             return memoryview(data)
         buf = alloc(len(data))[: len(data)]
@@ -502,6 +507,35 @@ class RedisBackend(Backend):
             manifest = layout.decode_manifest(head) if size == layout.MANIFEST_LEN else None
             out.append(ObjectInfo(n, manifest.total if manifest else size, 0.0))
         return out
+
+    async def collect_garbage(self) -> int:
+        """Delete parts no manifest points at any more; return how many hashes/fields went.
+
+        Orphans arise when a multi-part object is overwritten by a big single-part value
+        (that put skips the extra round trip to drop old parts) or when a writer died
+        between its parts and its manifest.  Run it from maintenance (``kvstore gc``), not
+        during heavy writes: a multi-part put caught between its parts and its manifest
+        loses its parts, which its readers then see as a miss (never as wrong data).
+        """
+        pfx = self.options.prefix
+        removed = 0
+        pattern = layout.glob_escape(pfx + "{") + "*" + layout.glob_escape("}" + layout.PARTS_SUFFIX)
+        try:
+            async for raw in self.client.scan_iter(match=pattern, count=1000):
+                hkey = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+                name = hkey[len(pfx) + 1 : -len("}" + layout.PARTS_SUFFIX)]
+                head = await self.client.getrange(layout.data_key(pfx, name), 0, layout.MANIFEST_LEN)
+                manifest = layout.decode_manifest(head)
+                if manifest is None:
+                    removed += int(await self.client.unlink(hkey))
+                    continue
+                keep = set(manifest.fields())
+                stale = [f for f in await self.client.hkeys(hkey) if f.decode() not in keep]
+                if stale:
+                    removed += int(await self.client.hdel(hkey, *stale))
+        except FAULTS as exc:
+            self._fault("gc", exc)
+        return removed
 
     async def refresh_stats(self) -> BackendStats:
         """Ask the server(s) for key count and memory use, then return `stats()`."""

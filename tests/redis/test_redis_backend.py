@@ -70,6 +70,19 @@ async def test_multi_part_value_round_trip_and_layout(redis_server):
     assert await b.put(name, b"small")
     assert bytes(await b.get(name)) == b"small"
     assert r.exists(layout.parts_key("kv:", name)) == 0
+    # overwrite with a big single-part value: its put leaves the old parts; gc drops them
+    assert await b.put(name, header + payload)
+    big = os.urandom(2 * MiB)
+    assert await b.put(name, big)
+    assert r.exists(layout.parts_key("kv:", name)) == 1
+    assert await b.collect_garbage() == 1
+    assert r.exists(layout.parts_key("kv:", name)) == 0
+    assert bytes(await b.get(name)) == big
+    # a stale generation's fields are dropped, the live ones kept
+    assert await b.put(name, header + payload)
+    r.hset(layout.parts_key("kv:", name), "00ff00ff00ff00ff:0", b"old")
+    assert await b.collect_garbage() == 1
+    assert bytes(await b.get(name)) == header + payload
     await b.close()
 
 
