@@ -105,6 +105,11 @@ class RedisOptions:
         return self.timeout + self.seconds_per_64mib * nbytes / (64 * MIB)
 
 
+def _flat(view: memoryview) -> memoryview:
+    """A caller's buffer as flat bytes (tensors' views come as '<B' or multi-dimensional)."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
 @dataclass(slots=True)
 class Budget:
     """Bytes a running batch moves; jobs add what they learn (multi-part totals)."""
@@ -235,16 +240,19 @@ class RedisBackend(Backend):
             await asyncio.wait(pending)
         failed = []
         first: BaseException | None = None
+        bug: BaseException | None = None
         for t in tasks:
             if t in pending:
                 failed.append(True)
                 first = first or asyncio.TimeoutError(f"batch deadline of {deadline:.1f}s passed")
                 continue
-            exc = t.exception()
+            exc = t.exception()  # retrieve every task's exception before raising any
             if exc is not None and not isinstance(exc, FAULTS):
-                raise exc
+                bug = bug or exc
             failed.append(exc is not None)
             first = first or exc
+        if bug is not None:
+            raise bug
         if first is not None:
             self._fault(op, first)
         else:
@@ -378,7 +386,7 @@ class RedisBackend(Backend):
         self._typical = len(data)
         if alloc is None:
             return memoryview(data)
-        buf = alloc(len(data))[: len(data)]
+        buf = _flat(alloc(len(data)))[: len(data)]
         buf[:] = data
         return buf
 
@@ -415,7 +423,7 @@ class RedisBackend(Backend):
     ) -> memoryview | None:
         """Assemble the parts straight into one buffer (the caller's, with `alloc`)."""
         hkey = layout.parts_key(self.options.prefix, name)
-        buf = (alloc or bytearray_alloc)(manifest.total)[: manifest.total]
+        buf = _flat((alloc or bytearray_alloc)(manifest.total))[: manifest.total]
         missing = [False]
 
         async def fetch(index: int, field: str) -> None:

@@ -225,3 +225,12 @@ async def test_tls_round_trip():
         untrusted = open_backend(f"rediss://{srv.host}:{srv.port}/0?{FAST}")
         assert await untrusted.put("ns/m/f-1-0/tls", b"x") is False
         await untrusted.close()
+
+
+async def test_alloc_may_hand_back_a_shaped_view(backend):
+    """Callers hand tensor-backed buffers (2-D, or '<B'); the bytes land in them all the same."""
+    data = os.urandom(2 * MiB)
+    assert await backend.put("ns/m/f-1-0/t", data)
+    target = bytearray(2 * MiB)
+    got = await backend.get("ns/m/f-1-0/t", alloc=lambda n: memoryview(target).cast("B", (2, n // 2)))
+    assert bytes(got) == data and bytes(target) == data
