@@ -1,4 +1,4 @@
-"""Fixtures for the Redis tier tests: a real redis-server per test, a 3-master Cluster per module."""
+"""Fixtures for the Redis tier tests: a real redis-server per test, one 3-master Cluster per session."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def backend(redis_server):
     await b.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def redis_cluster():
     if not redis_available(cluster=True):
         pytest.skip("redis-server / redis-cli are not installed (apt-get install redis-server redis-tools)")
