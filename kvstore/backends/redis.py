@@ -31,9 +31,10 @@ pool reconnects on the next call once the server is back.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -164,13 +165,21 @@ class RedisBackend(Backend):
 
     # -- construction ------------------------------------------------------------
     @classmethod
-    def from_url(cls, url: str) -> RedisBackend:
+    def from_url(cls, url: str, *, ttl_by_namespace: Mapping[str, float] | None = None) -> RedisBackend:
+        """Open from a URL (see the module docstring).
+
+        `ttl_by_namespace` is the configuration form of ``ttl.<namespace>=`` (seconds,
+        0 = never expire); URL values win over it.
+        """
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in cls.schemes:
             raise ValueError(f"{url!r}: RedisBackend serves {', '.join(cls.schemes)}")
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         options, passthrough = parse_options(query)
+        if ttl_by_namespace:
+            merged = {**dict(ttl_by_namespace), **dict(options.ttl_by_namespace)}
+            options = dataclasses.replace(options, ttl_by_namespace=tuple(merged.items()))
         username = unquote(parts.username) if parts.username else os.environ.get("KVSTORE_REDIS_USERNAME")
         password = unquote(parts.password) if parts.password else os.environ.get("KVSTORE_REDIS_PASSWORD")
         common: dict[str, Any] = dict(
@@ -228,12 +237,18 @@ class RedisBackend(Backend):
         tasks = [asyncio.ensure_future(j) for j in jobs]
         loop = asyncio.get_running_loop()
         start, pending = loop.time(), set(tasks)
-        while pending:
-            deadline = self.options.deadline(budget.nbytes)
-            remaining = start + deadline - loop.time()
-            if remaining <= 0:
-                break
-            _, pending = await asyncio.wait(pending, timeout=remaining)
+        deadline = self.options.deadline(budget.nbytes)
+        try:
+            while pending:
+                deadline = self.options.deadline(budget.nbytes)
+                remaining = start + deadline - loop.time()
+                if remaining <= 0:
+                    break
+                _, pending = await asyncio.wait(pending, timeout=remaining)
+        except BaseException:  # the caller was cancelled: take the batch's commands with it
+            for t in tasks:
+                t.cancel()
+            raise
         for t in pending:
             t.cancel()
         if pending:
