@@ -57,6 +57,7 @@ from kvstore.backends.base import (
     parts_len,
     redact_url,
 )
+from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.config import parse_size
 from kvstore.keys import InvalidKeyError, check_object_name
 
@@ -207,8 +208,14 @@ class RedisBackend(Backend):
             netloc = parts.netloc.rsplit("@", 1)[-1]  # credentials go as kwargs, never in a URL string
             plain = urlunsplit((scheme, netloc, parts.path, urlencode(passthrough), ""))
             pool = aioredis.ConnectionPool.from_url(plain, **common)
+            pool.connection_class = gathering(pool.connection_class)  # framed values unjoined
             client = aioredis.Redis(connection_pool=pool)
         return cls(url, client, options)
+
+    def _gather(self, parts: list[memoryview]) -> Any:
+        """A value of several parts for one SET: sent as is (standalone) or joined (Cluster,
+        whose per-node connections redis-py builds itself)."""
+        return b"".join(parts) if self.cluster else Gathered(parts)
 
     # -- fault plumbing ----------------------------------------------------------
     def _fault(self, op: str, exc: BaseException) -> None:
@@ -292,7 +299,7 @@ class RedisBackend(Backend):
             if size > self.options.part_size:
                 jobs.append(self._put_multi(i, name, parts, size, ttl, ok))
                 continue
-            data: Any = parts[0] if len(parts) == 1 else b"".join(parts)
+            data: Any = parts[0] if len(parts) == 1 else self._gather(parts)
             self._typical = size
             if size <= self.options.pipeline_max:
                 small.append((i, name, data, ttl))

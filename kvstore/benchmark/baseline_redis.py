@@ -42,12 +42,14 @@ class Baseline:
     def __init__(self, key_prefix: str = "kvbench:baseline:") -> None:
         self.key_prefix = key_prefix
         self.client: Any = None
+        self._written: set[int] = set()
 
     async def open(self, url: str) -> None:
         self.client = plain_client(url)
 
     async def put(self, i: int, data: memoryview) -> None:
         await self.client.set(f"{self.key_prefix}{i}", data)
+        self._written.add(i)
 
     async def get(self, i: int, into: memoryview) -> int:
         data = await self.client.get(f"{self.key_prefix}{i}")
@@ -57,6 +59,13 @@ class Baseline:
         return len(data)
 
     async def close(self) -> None:
+        """Delete the keys this baseline wrote (best effort), then disconnect."""
         if self.client is not None:
+            for i in self._written:
+                try:
+                    await self.client.unlink(f"{self.key_prefix}{i}")
+                except Exception:  # cleanup only: a server gone by now has nothing to keep
+                    break
+            self._written.clear()
             await self.client.aclose()
             self.client = None

@@ -15,6 +15,7 @@ async def test_baseline_round_trip_on_backend_url(redis_server):
     into = memoryview(bytearray(1 << 20))
     assert await base.get(7, into) == len(data) and bytes(into) == data
     await base.close()
+    assert redis_server.command("DBSIZE").strip() == b":0"  # close() took its keys away
 
 
 async def test_baseline_on_cluster_url(redis_cluster):

@@ -234,3 +234,16 @@ async def test_alloc_may_hand_back_a_shaped_view(backend):
     target = bytearray(2 * MiB)
     got = await backend.get("ns/m/f-1-0/t", alloc=lambda n: memoryview(target).cast("B", (2, n // 2)))
     assert bytes(got) == data and bytes(target) == data
+
+
+@pytest.mark.parametrize("payload_size", [100, 100 * KiB, 3 * MiB])
+async def test_gathered_value_is_stored_as_one_value(redis_server, payload_size):
+    """A value given as parts (frame header + payload) is one Redis string, parts in order."""
+    b = open_backend(f"{redis_server.url}?{FAST}")
+    header, payload = b"HDR" * 11, os.urandom(payload_size)
+    items = [("ns/m/f-1-0/g", [header, memoryview(payload)]), ("ns/m/f-1-0/h", [b"", payload, b"!"])]
+    assert await b.put_many(items) == [True, True]
+    r = raw(redis_server)
+    assert r.get(layout.data_key("kv:", "ns/m/f-1-0/g")) == header + payload
+    assert r.get(layout.data_key("kv:", "ns/m/f-1-0/h")) == payload + b"!"
+    await b.close()
