@@ -41,6 +41,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
@@ -204,6 +205,12 @@ class RedisBackend(Backend):
             if "ssl_check_hostname" in tls:
                 tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes")
             client = RedisCluster(startup_nodes=nodes, ssl=ssl, **tls, **common)
+            # framed values unjoined on every node's connections, found now or later
+            manager = client.nodes_manager
+            gather_class = gathering(manager.connection_kwargs.get("connection_class", Connection))
+            manager.connection_kwargs["connection_class"] = gather_class
+            for node in manager.startup_nodes.values():
+                node.connection_class = gather_class
         else:
             netloc = parts.netloc.rsplit("@", 1)[-1]  # credentials go as kwargs, never in a URL string
             plain = urlunsplit((scheme, netloc, parts.path, urlencode(passthrough), ""))
@@ -213,9 +220,8 @@ class RedisBackend(Backend):
         return cls(url, client, options)
 
     def _gather(self, parts: list[memoryview]) -> Any:
-        """A value of several parts for one SET: sent as is (standalone) or joined (Cluster,
-        whose per-node connections redis-py builds itself)."""
-        return b"".join(parts) if self.cluster else Gathered(parts)
+        """A value of several parts for one SET, sent without joining (see redis_wire)."""
+        return Gathered(parts)
 
     # -- fault plumbing ----------------------------------------------------------
     def _fault(self, op: str, exc: BaseException) -> None:
