@@ -80,6 +80,37 @@ class KvstoreRunner:
         await self.b.close()
 
 
+class TierRunner:
+    """Tensors through `Tier` (raw codec): each object is a frame, header + payload parts."""
+
+    name = "kvstore Tier"
+
+    def __init__(self, url: str, size: int, n: int, batch: int, data: memoryview) -> None:
+        from kvstore.tier import Tier
+
+        self.tier = Tier(open_backend(url), "raw")
+        self.names = [f"bench/m/vllm-1-0/t{i}" for i in range(n)]
+        self.batch = batch
+        self.tensor = torch.frombuffer(bytearray(data), dtype=torch.bfloat16)
+        self.bufs = [memoryview(bytearray(size + 4096)) for _ in range(batch)]
+
+    async def put(self) -> None:
+        for s in range(0, len(self.names), self.batch):
+            ok = await self.tier.put_many([(n, self.tensor) for n in self.names[s : s + self.batch]])
+            assert all(ok), "Tier put failed"
+
+    async def get(self) -> None:
+        for s in range(0, len(self.names), self.batch):
+            slots = iter(self.bufs)
+            got = await self.tier.get_many(
+                self.names[s : s + self.batch], alloc=lambda n, it=slots: next(it)[:n]
+            )
+            assert all(g is not None for g in got), "Tier get missed"
+
+    async def close(self) -> None:
+        await self.tier.close()
+
+
 class RedisPyRunner:
     name = "redis-py"
 
@@ -175,6 +206,7 @@ async def run_size(url: str, size_mib: int, args) -> tuple[dict[str, list[float]
         RedisPyRunner(url, size, n, args.batch, data),
     ]
     await runners[1].open()
+    runners.append(TierRunner(kv_url, size, n, args.batch, data))
     if args.lmcache:
         runners.append(LMCacheRunner(url, size, n, args.batch, data))
     # Rounds interleave the clients (order rotated) so drift on a shared machine hits all
@@ -224,7 +256,7 @@ async def main() -> None:
         )
         head = (
             "| size | kvstore put | redis-py SET | put ratio | kvstore get | redis-py GET | get ratio "
-            "| kvstore get, no alloc |"
+            "| kvstore get, no alloc | Tier put (frames) | Tier get (frames) |"
         )
         if args.lmcache:
             head += " LMCache put | LMCache get |"
@@ -238,7 +270,8 @@ async def main() -> None:
             row = (
                 f"| {s} MiB | {median(puts[kv]):.0f} | {median(puts[rp]):.0f} | {put_ratio:.2f} "
                 f"| {median(gets[kv]):.0f} | {median(gets[rp]):.0f} | {get_ratio:.2f} "
-                f"| {median(gets['kvstore-views']):.0f} |"
+                f"| {median(gets['kvstore-views']):.0f} "
+                f"| {median(puts['kvstore Tier']):.0f} | {median(gets['kvstore Tier']):.0f} |"
             )
             if args.lmcache:
                 row += f" {median(puts[lm]):.0f} | {median(gets[lm]):.0f} |"
