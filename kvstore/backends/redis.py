@@ -347,9 +347,9 @@ class RedisBackend(Backend):
         hkey = layout.parts_key(pfx, name)
         pieces = layout.split_parts(parts, self.options.part_size)
 
-        async def put_piece(field: str, piece: Any) -> None:
+        async def put_piece(field: str, piece: list[memoryview]) -> None:
             async with self._big:
-                await self.client.hset(hkey, field, piece)
+                await self.client.hset(hkey, field, piece[0] if len(piece) == 1 else Gathered(piece))
 
         await asyncio.gather(*(put_piece(f, p) for f, p in zip(manifest.fields(), pieces)))
         if ttl is not None:

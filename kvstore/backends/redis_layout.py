@@ -109,13 +109,13 @@ def decode_manifest(data: bytes | memoryview | None) -> Manifest | None:
     return Manifest(count, part_size, total, gen)
 
 
-def split_parts(views: Sequence[memoryview], part_size: int) -> list[memoryview | bytes]:
+def split_parts(views: Sequence[memoryview], part_size: int) -> list[list[memoryview]]:
     """Cut a gathered value into consecutive pieces of `part_size` bytes (last one shorter).
 
-    A piece that lies inside one input view is a zero-copy slice; one that straddles
-    views (e.g. a frame header and its payload) is joined, which copies only it.
+    Each piece is a list of zero-copy slices: one slice when it lies inside one input
+    view, several when it straddles views (e.g. a frame header and its payload).
     """
-    out: list[memoryview | bytes] = []
+    out: list[list[memoryview]] = []
     pending: list[memoryview] = []
     pending_len = 0
     for view in views:
@@ -126,10 +126,10 @@ def split_parts(views: Sequence[memoryview], part_size: int) -> list[memoryview 
             pending_len += take
             pos += take
             if pending_len == part_size:
-                out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+                out.append(pending)
                 pending, pending_len = [], 0
     if pending or not out:
-        out.append(pending[0] if len(pending) == 1 else b"".join(pending))
+        out.append(pending)
     return out
 
 
