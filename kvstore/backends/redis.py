@@ -219,10 +219,6 @@ class RedisBackend(Backend):
             client = aioredis.Redis(connection_pool=pool)
         return cls(url, client, options)
 
-    def _gather(self, parts: list[memoryview]) -> Any:
-        """A value of several parts for one SET, sent without joining (see redis_wire)."""
-        return Gathered(parts)
-
     # -- fault plumbing ----------------------------------------------------------
     def _fault(self, op: str, exc: BaseException) -> None:
         if not self._failing:
@@ -305,7 +301,7 @@ class RedisBackend(Backend):
             if size > self.options.part_size:
                 jobs.append(self._put_multi(i, name, parts, size, ttl, ok))
                 continue
-            data: Any = parts[0] if len(parts) == 1 else self._gather(parts)
+            data: Any = parts[0] if len(parts) == 1 else Gathered(parts)  # sent unjoined
             self._typical = size
             if size <= self.options.pipeline_max:
                 small.append((i, name, data, ttl))
