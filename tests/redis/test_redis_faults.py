@@ -124,3 +124,18 @@ async def test_multi_part_overwrite_cut_off_reads_old_or_new_never_a_mix():
         assert got is not None
         assert bytes(got) == (second if ok else first)
         await b.close()
+
+
+async def test_eviction_under_maxmemory_gives_misses_never_partial_data():
+    """allkeys-random eviction drops manifests and parts independently: whole hits or misses."""
+    with RedisServer(extra=["--maxmemory", "12mb", "--maxmemory-policy", "allkeys-random"]) as srv:
+        b = open_backend(f"{srv.url}?part_size=256KiB&{FAST}")
+        values = {f"ns/m/f-1-0/e{i}": os.urandom(700 * 1024 + i) for i in range(40)}  # 3 parts each
+        for name, value in values.items():  # ~28 MiB into 12 MiB: most get evicted
+            await b.put(name, value)
+        got = await b.get_many(list(values))
+        hits = [g for g in got if g is not None]
+        assert 0 < len(hits) < len(values)
+        for (name, value), g in zip(values.items(), got):
+            assert g is None or bytes(g) == value
+        await b.close()
