@@ -136,6 +136,6 @@ async def test_eviction_under_maxmemory_gives_misses_never_partial_data():
         got = await b.get_many(list(values))
         hits = [g for g in got if g is not None]
         assert 0 < len(hits) < len(values)
-        for (name, value), g in zip(values.items(), got):
+        for value, g in zip(values.values(), got):
             assert g is None or bytes(g) == value
         await b.close()
