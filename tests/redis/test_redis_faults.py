@@ -47,10 +47,10 @@ async def test_kill_during_batch_then_restart_same_backend(redis_server):
     expected = dict(small + big)
 
     async def kill_soon() -> None:
-        await asyncio.sleep(0.03)
+        await asyncio.sleep(0.01)
         redis_server.kill()
 
-    fresh = items("n", 12, 8 * MiB)
+    fresh = items("n", 24, 8 * MiB)  # ~200 MiB in flight: still moving when the kill lands
     killer = asyncio.create_task(kill_soon())
     t0 = time.monotonic()
     puts, gets = await asyncio.gather(b.put_many(fresh), b.get_many(list(expected)))
