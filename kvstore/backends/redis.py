@@ -51,6 +51,7 @@ from kvstore.backends.base import (
     Alloc,
     Backend,
     BackendStats,
+    BackendUnavailableError,
     ObjectInfo,
     Value,
     as_parts,
@@ -568,6 +569,21 @@ class RedisBackend(Backend):
         except FAULTS as exc:
             self._fault("gc", exc)
         return removed
+
+    async def check(self) -> None:
+        """PING within the connect deadline; raise `BackendUnavailableError` saying what to fix."""
+        try:
+            await asyncio.wait_for(self.client.ping(), self.options.deadline(0))
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            hint = (
+                "check the password / ACL user (URL or KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD)"
+                if "auth" in detail.lower() or "password" in detail.lower()
+                else "is redis-server running there, and is the host:port / socket path right?"
+            )
+            raise BackendUnavailableError(
+                f"Redis at {redact_url(self.url)} is unusable ({detail}); {hint}"
+            ) from exc
 
     async def refresh_stats(self) -> BackendStats:
         """Ask the server(s) for key count and memory use, then return `stats()`."""
