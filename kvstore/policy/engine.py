@@ -226,6 +226,18 @@ class Placement:
             self.meta.pop(key, None)
         moves.append(Move("drop", key, size, j, None))
 
+    def holders(self, key: Hashable) -> list[int]:
+        """Every tier holding `key`, top first."""
+        return [i for i, t in enumerate(self.tiers) if key in t.resident]
+
+    def forget(self, key: Hashable, tier: int) -> None:
+        """Undo a placement in `tier` whose copy never landed (a failed write or move)."""
+        t = self.tiers[tier]
+        if key in t.resident:
+            t.take(key)
+        if self.where(key) is None:
+            self.meta.pop(key, None)
+
     def delete(self, key: Hashable) -> list[Move]:
         """Remove `key` from every tier (no ghost entries)."""
         moves = []
