@@ -122,17 +122,16 @@ class StoreStats:
 
 
 class _Protected:
-    """Names no victim may be chosen from: this batch, in-flight reads/writes, live pins."""
+    """Names no victim may be chosen from: those being read, and live pins."""
 
-    __slots__ = ("batch", "store")
+    __slots__ = ("store",)
 
     def __init__(self, store: TieredStore) -> None:
         self.store = store
-        self.batch: frozenset[str] | set[str] = frozenset()
 
     def __contains__(self, name: object) -> bool:
         s = self.store
-        if name in self.batch or name in s._writing or name in s._reading:
+        if name in s._reading:
             return True
         until = s._pins.get(name)  # type: ignore[arg-type]
         return until is not None and until > s._clock()
@@ -185,6 +184,7 @@ class TieredStore:
         self._reading: Counter[str] = Counter()
         self._pins: dict[str, float] = {}
         self._landing: dict[tuple[str, int], int] = {}  # (name, tier) -> tier its bytes are still in
+        self._landed: dict[str, asyncio.Event] = {}  # name -> set when its foreground write is done
         self._tasks: set[asyncio.Task] = set()
         self._sem: asyncio.Semaphore | None = None
         self._protected = _Protected(self)
@@ -271,42 +271,42 @@ class TieredStore:
 
         # decide everything first (synchronously: no other task sees a half-made plan)
         protected = self._protected
-        protected.batch = {name for name, _ in items}
         moves: list[Move] = []
         writes: list[tuple[int, Move]] = []
         prev_meta = self.placement.meta.get(parent, NO_META) if parent is not None else NO_META
         prev = parent
-        try:
-            for i, (name, _) in enumerate(items):
-                parts = frames[i]
-                if parts is None:
+        landed = asyncio.Event()
+        for i, (name, _) in enumerate(items):
+            parts = frames[i]
+            if parts is None:
+                continue
+            size = sum(p.nbytes for p in parts)
+            if chained:
+                depth = prev_meta.depth + 1 if prev is not None else 0
+                meta = ChunkMeta(depth=depth, parent=prev, tail=i == len(items) - 1)
+                prev, prev_meta = name, meta
+            else:
+                meta = NO_META
+            if self.placement.where(name) is None:
+                room = self.book.over_quota(name, size, keep=protected)  # type: ignore[arg-type]
+                if room is None:
+                    self.metrics.errors.labels("quota", "-").inc()
                     continue
-                size = sum(p.nbytes for p in parts)
-                if chained:
-                    depth = prev_meta.depth + 1 if prev is not None else 0
-                    meta = ChunkMeta(depth=depth, parent=prev, tail=i == len(items) - 1)
-                    prev, prev_meta = name, meta
+                for old in room:
+                    moves.extend(self.placement.delete(old))
+                    self.metrics.quota_evictions.labels(namespace_of(old)).inc()
+                    self.book.discard(old)
+            else:
+                results[i] = True  # already held: the store call is a touch
+            for m in self.placement.store(name, size, meta, protected):
+                if name not in self.book:
+                    self.book.add(name, size, now)  # reserved now: later items see the quota
+                if m.kind == "write":
+                    writes.append((i, m))
+                    self._writing[name] += 1
+                    self._landed[name] = landed
                 else:
-                    meta = NO_META
-                if self.placement.where(name) is None:
-                    room = self.book.over_quota(name, size, keep=protected)  # type: ignore[arg-type]
-                    if room is None:
-                        self.metrics.errors.labels("quota", "-").inc()
-                        continue
-                    for old in room:
-                        moves.extend(self.placement.delete(old))
-                        self.metrics.quota_evictions.labels(namespace_of(old)).inc()
-                        self.book.discard(old)
-                else:
-                    results[i] = True  # already held: the store call is a touch
-                for m in self.placement.store(name, size, meta, protected):
-                    if m.kind == "write":
-                        writes.append((i, m))
-                        self._writing[name] += 1
-                    else:
-                        moves.append(m)
-        finally:
-            protected.batch = frozenset()
+                    moves.append(m)
 
         await self._carry_out(moves)
         # the caller's data: written in the foreground, one batch per tier
@@ -330,18 +330,29 @@ class TieredStore:
                 self._writing[name] -= 1  # type: ignore[index]
                 if self._writing[name] <= 0:  # type: ignore[index]
                     del self._writing[name]  # type: ignore[arg-type]
-                if good:
+                if good and name not in self.placement.tiers[j].resident:
+                    # evicted by a later chunk of this batch before it landed: a demotion
+                    # (waiting for this write) has copied it on, or it was dropped
+                    if not self._is_source(name, j):  # type: ignore[arg-type]
+                        await tier.delete_many([name])  # type: ignore[list-item]
+                    results[i] = self.placement.where(name) is not None
+                elif good:
                     results[i] = True
                     self.metrics.bytes_in.labels(self.tier_names[j], namespace_of(name)).inc(m.size)  # type: ignore[arg-type]
                 else:
                     self.metrics.errors.labels("put", self.tier_names[j]).inc()
                     self.placement.forget(name, j)
 
-        await asyncio.gather(*(write_tier(j, b) for j, b in by_tier.items()))
-        for i, (name, _) in enumerate(items):
-            if results[i] and name not in self.book and self.placement.where(name) is not None:
-                parts = frames[i]
-                self.book.add(name, sum(p.nbytes for p in parts) if parts else 0, now)
+        try:
+            await asyncio.gather(*(write_tier(j, b) for j, b in by_tier.items()))
+        finally:
+            landed.set()
+            for _, m in writes:
+                if self._landed.get(m.key) is landed:  # type: ignore[arg-type]
+                    del self._landed[m.key]  # type: ignore[arg-type]
+        for name, _ in items:
+            if self.placement.where(name) is None:
+                self.book.discard(name)
         self._update_gauges()
         return results
 
@@ -497,6 +508,9 @@ class TieredStore:
         name: str = m.key  # type: ignore[assignment]
         dst_i: int = m.dst  # type: ignore[assignment]
         async with self._sem:
+            pending = self._landed.get(name)
+            if pending is not None:
+                await pending.wait()  # the source is still being written by a put
             src_i = self._landing.get((name, dst_i), m.src)
             try:
                 if name not in self.placement.tiers[dst_i].resident:

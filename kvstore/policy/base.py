@@ -122,3 +122,6 @@ class PolicyEvictor:
 
     def __len__(self) -> int:
         return len(self.policy)
+
+    def __bool__(self) -> bool:  # an empty evictor is still an evictor (`evictor or default`)
+        return True

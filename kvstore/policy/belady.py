@@ -1,8 +1,8 @@
 """Belady's offline optimum (MIN with bypass): a reference limit, never a live policy.
 
 Owns: `BeladyPolicy`, which is told the whole future reference sequence up front and
-evicts the resident key whose next reference is farthest away; a key never referenced
-again is not admitted.  Must not touch: I/O.  It counts `touch`/`miss` calls to know
+evicts the resident key whose next reference is farthest away; a key is not admitted
+when it is never referenced again, or (when full) later than every resident's next use.  Must not touch: I/O.  It counts `touch`/`miss` calls to know
 where in the sequence it is, so it is only valid where every reference reaches it
 exactly once (the single-tier simulator).
 """
@@ -34,6 +34,8 @@ class BeladyPolicy(Policy):
         self._pos = -1
         self._due: dict[Hashable, float] = {}
         self._heap: list[tuple[float, Hashable]] = []
+        self._sizes: dict[Hashable, int] = {}
+        self._used = 0
 
     def _advance(self, key: Hashable) -> None:
         self._pos += 1
@@ -44,7 +46,14 @@ class BeladyPolicy(Policy):
         self._advance(key)
 
     def admit(self, key: str, size: int, meta: ChunkMeta = NO_META) -> bool:
-        return self._next[self._pos] != NEVER
+        due = self._next[self._pos]
+        if due == NEVER:
+            return False
+        if self._used + size <= self.capacity:
+            return True
+        # full: worth a place only if needed sooner than the farthest resident
+        far = self.victim()
+        return far is not None and self._due[far] > due
 
     def _set(self, key: Hashable) -> None:
         due = self._next[self._pos]
@@ -52,6 +61,9 @@ class BeladyPolicy(Policy):
         heapq.heappush(self._heap, (-due, key))
 
     def insert(self, key: str, size: int, meta: ChunkMeta = NO_META) -> None:
+        self.remove(key)
+        self._sizes[key] = size
+        self._used += size
         self._set(key)
 
     def touch(self, key: str, meta: ChunkMeta = NO_META) -> None:
@@ -61,6 +73,7 @@ class BeladyPolicy(Policy):
 
     def remove(self, key: str, evicted: bool = False) -> None:
         self._due.pop(key, None)
+        self._used -= self._sizes.pop(key, 0)
 
     def victim(self, protected: Container[str] = NOTHING) -> str | None:
         held = []

@@ -73,7 +73,8 @@ class ChainPolicy(Policy):
         self._heap: list[tuple[float, int, Hashable]] = []
         self._seq = 0
         self._L = 0.0
-        self._ghosts: OrderedDict[Hashable, int] = OrderedDict()
+        self._ghosts: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # key -> (class, hits)
+        self._returning: tuple[Hashable, int] | None = None
         # one pseudo-entry per class at probability 1/4 keeps early estimates finite and equal
         self._entered = [1.0] * _NCLASS
         self._reused = [0.25] * _NCLASS
@@ -90,9 +91,10 @@ class ChainPolicy(Policy):
 
     # -- policy protocol -----------------------------------------------------------------
     def miss(self, key: Hashable, meta: ChunkMeta = NO_META) -> None:
-        cls = self._ghosts.pop(key, None)
-        if cls is not None:
-            self._reused[cls] += 1
+        ghost = self._ghosts.pop(key, None)
+        if ghost is not None:
+            self._reused[ghost[0]] += 1
+            self._returning = (key, ghost[1] + 1)
 
     def insert(self, key: Hashable, size: int, meta: ChunkMeta = NO_META) -> None:
         if key in self._e:
@@ -104,6 +106,12 @@ class ChainPolicy(Policy):
         else:
             pe.kids += 1
         e = self._e[key] = _Entry(size, parent, meta)
+        if self._returning is not None and self._returning[0] == key:
+            # a ghost come back: it keeps its history, plus this reference
+            e.hits = self._returning[1]
+            e.tail = False
+            e.cls = _class(e.hits, False)
+        self._returning = None
         self._classify(key, e)
 
     def _classify(self, key: Hashable, e: _Entry) -> None:
@@ -134,7 +142,7 @@ class ChainPolicy(Policy):
             if e.prio > self._L:
                 self._L = e.prio
             ghosts = self._ghosts
-            ghosts[key] = e.cls
+            ghosts[key] = (e.cls, e.hits)
             limit = self.GHOSTS * max(len(self._e), 1)
             while len(ghosts) > limit:
                 ghosts.popitem(last=False)

@@ -111,10 +111,8 @@ def replay(placement: Placement, requests: list[Request], block_bytes: int = 1) 
         hits += n
         for i in range(n):
             hit(keys[i], chain_meta(keys, i))
-        if n < len(keys):
-            batch = frozenset(keys[n:])
-            for i in range(n, len(keys)):
-                store(keys[i], block_bytes, chain_meta(keys, i), batch)
+        for i in range(n, len(keys)):
+            store(keys[i], block_bytes, chain_meta(keys, i))
     return hits
 
 
