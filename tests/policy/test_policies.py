@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -133,9 +134,8 @@ def test_belady_is_optimal_on_a_small_sequence() -> None:
 
 
 def _opt_hits(seq: list[str], cap: int) -> int:
-    from functools import lru_cache
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cache: frozenset[str]) -> int:
         if i == len(seq):
             return 0
