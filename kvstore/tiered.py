@@ -467,8 +467,13 @@ class TieredStore:
 
     # -- moves ---------------------------------------------------------------------------
     async def _carry_out(self, moves: Sequence[Move]) -> None:
-        """Drops now (batched per tier); promotions and demotions in the background."""
+        """Drops now (batched per tier); then promotions and demotions in the background.
+
+        Drops go first so that a delete decided before a copy of the same name into the
+        same tier can never land after that copy.
+        """
         drops: dict[int, list[str]] = {}
+        copies: list[Move] = []
         for m in moves:
             if m.kind == "drop":
                 if not self._landing or not self._is_source(m.key, m.src):  # type: ignore[arg-type]
@@ -479,12 +484,14 @@ class TieredStore:
                 if m.kind == "demote":
                     self.metrics.evictions.labels(self.tier_names[m.src]).inc()  # type: ignore[index]
                 # until the copy lands, read it where its bytes are
-                self._landing[(m.key, m.dst)] = self._landing.pop((m.key, m.src), m.src)  # type: ignore[index]
-                self._spawn(self._copy(m))
+                self._landing[(m.key, m.dst)] = self._landing.get((m.key, m.src), m.src)  # type: ignore[index]
+                copies.append(m)
         for j, keys in drops.items():
             t0 = time.perf_counter()
             await self.tiers[j].delete_many(keys)
             self.metrics.op_seconds.labels("delete", self.tier_names[j]).observe(time.perf_counter() - t0)
+        for m in copies:
+            self._spawn(self._copy(m))
         for m in moves:
             if m.kind == "drop" and self.placement.where(m.key) is None:
                 self.book.discard(m.key)  # type: ignore[arg-type]
@@ -513,26 +520,28 @@ class TieredStore:
                 await pending.wait()  # the source is still being written by a put
             src_i = self._landing.get((name, dst_i), m.src)
             try:
-                if name not in self.placement.tiers[dst_i].resident:
-                    return  # evicted again before the copy started
-                ok = await self._copy_bytes(name, src_i, dst_i)  # type: ignore[arg-type]
-                if not ok:
-                    self.placement.forget(name, dst_i)
-                    if self.placement.where(name) is None:
-                        self.book.discard(name)
-                    return
-                self.metrics.moves.labels(m.kind, self.tier_names[dst_i]).inc()
-                self.metrics.bytes_in.labels(self.tier_names[dst_i], namespace_of(name)).inc(m.size)
-                if name not in self.placement.tiers[dst_i].resident:
-                    await self.tiers[dst_i].delete_many([name])  # evicted while copying
+                await self._copy_into(m, name, src_i, dst_i)  # type: ignore[arg-type]
             finally:
                 if self._landing.get((name, dst_i)) == src_i:
                     del self._landing[(name, dst_i)]
             # the source copy goes once nothing needs it: a demotion's always, a promotion's
             # if the source tier evicted it meanwhile (the drop waited for this copy)
-            if name not in self.placement.tiers[src_i].resident and not self._is_source(name, src_i):
-                await self.tiers[src_i].delete_many([name])
+            if name not in self.placement.tiers[src_i].resident and not self._is_source(name, src_i):  # type: ignore[index]
+                await self.tiers[src_i].delete_many([name])  # type: ignore[index]
             self._update_gauges()
+
+    async def _copy_into(self, m: Move, name: str, src_i: int, dst_i: int) -> None:
+        if name not in self.placement.tiers[dst_i].resident:
+            return  # evicted again before the copy started
+        if not await self._copy_bytes(name, src_i, dst_i):
+            self.placement.forget(name, dst_i)
+            if self.placement.where(name) is None:
+                self.book.discard(name)
+            return
+        self.metrics.moves.labels(m.kind, self.tier_names[dst_i]).inc()
+        self.metrics.bytes_in.labels(self.tier_names[dst_i], namespace_of(name)).inc(m.size)
+        if name not in self.placement.tiers[dst_i].resident:
+            await self.tiers[dst_i].delete_many([name])  # evicted while copying
 
     def _is_source(self, name: str, tier: int) -> bool:
         return any(k[0] == name and v == tier for k, v in self._landing.items())
