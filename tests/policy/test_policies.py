@@ -18,6 +18,7 @@ from kvstore.policy import (
     TierState,
     make_policy,
 )
+from kvstore.policy.chain import _class
 from kvstore.policy.classic import LRUPolicy
 
 
@@ -191,9 +192,27 @@ def test_chain_policy_learns_that_prompt_tails_are_not_reused() -> None:
                 pl.store(keys[i], 1, ChunkMeta(i, keys[i - 1] if i else None, tail=i == len(keys) - 1))
             chain = keys
     assert chain
-    tail_p = pol.reuse_probability(1)  # type: ignore[attr-defined]  # class: tail, never hit
-    body_p = pol.reuse_probability(0)  # type: ignore[attr-defined]  # class: body, never hit
+    depth = 4  # the tails of the second turns
+    tail_p = pol.reuse_probability(_class(0, True, depth))  # type: ignore[attr-defined]
+    body_p = pol.reuse_probability(_class(0, False, depth))  # type: ignore[attr-defined]
     assert tail_p < 0.1 < body_p
+
+
+def test_chain_policy_follows_the_expert_whose_shadow_hits_more() -> None:
+    # a small cache and a stream of one-off chunks around a reused working set: keeping
+    # newcomers out (gated recency) beats spreading the cache over them
+    pol = make_policy("chain", 50)
+    pl = Placement([TierState(50, pol)])
+    rng = random.Random(1)
+    for step in range(20_000):
+        key = f"hot{rng.randrange(40)}" if step % 3 == 0 else f"once{step}"
+        if pl.where(key) is not None:
+            pl.hit(key)
+        else:
+            pl.store(key, 1)
+    assert pol.alphas[pol.expert] == 0.0  # type: ignore[attr-defined]
+    held = sum(pl.where(f"hot{i}") is not None for i in range(40))
+    assert held >= 30
 
 
 @pytest.mark.parametrize("kind", ["mem", "file"])
