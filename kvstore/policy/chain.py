@@ -49,16 +49,23 @@ def _depth_bucket(depth: int) -> int:
     return 0 if depth <= 0 else min((depth.bit_length() + 1) // 2, _DEPTHS - 1)
 
 
+_HIT_BUCKET = (0, 1, 2, 3, 4, 4, 4, 4)
+
+
 def _class(hits: int, tail: bool, depth: int = 0) -> int:
-    b = hits if hits < 4 else (4 if hits < 8 else 5)
-    return (2 * b + int(tail)) * _DEPTHS + _depth_bucket(depth)
+    return _class_of(hits, tail, _depth_bucket(depth))
+
+
+def _class_of(hits: int, tail: bool, dbucket: int) -> int:
+    b = _HIT_BUCKET[hits] if hits < 8 else 5
+    return (2 * b + tail) * _DEPTHS + dbucket
 
 
 _REUSED = float(1 << 40)  # lifts reused chunks above any recency stamp
 
 
 class _Entry:
-    __slots__ = ("cls", "cost", "depth", "hits", "kids", "parent", "prio", "size", "tail")
+    __slots__ = ("cls", "cost", "dbucket", "hits", "kids", "parent", "prio", "size", "tail")
 
     def __init__(self, size: int, parent: Hashable | None, meta: ChunkMeta, experts: int) -> None:
         self.size = max(size, 1)
@@ -67,8 +74,8 @@ class _Entry:
         self.hits = 0
         self.tail = meta.tail
         self.cost = meta.cost
-        self.depth = meta.depth
-        self.cls = _class(0, meta.tail, meta.depth)
+        self.dbucket = _depth_bucket(meta.depth)
+        self.cls = _class_of(0, meta.tail, self.dbucket)
         self.prio = [0.0] * experts
 
 
@@ -155,7 +162,7 @@ class ChainPolicy(Policy):
             # a ghost come back: it keeps its history, plus this reference
             e.hits = self._returning[1]
             e.tail = False
-            e.cls = _class(e.hits, False, e.depth)
+            e.cls = _class_of(e.hits, False, e.dbucket)
         self._returning = None
         self._classify(key, e)
         if self._shadows:
@@ -184,7 +191,7 @@ class ChainPolicy(Policy):
         self._reused[e.cls] += 1
         e.hits += 1
         e.tail = e.tail and meta.tail  # referenced as the middle of a prompt: no longer a tail
-        e.cls = _class(e.hits, e.tail, e.depth)
+        e.cls = _class_of(e.hits, e.tail, e.dbucket)
         self._classify(key, e)
         if self._shadows:
             self._observe(key, meta, e.size)
