@@ -185,6 +185,8 @@ class TieredStore:
         self._pins: dict[str, float] = {}
         self._landing: dict[tuple[str, int], int] = {}  # (name, tier) -> tier its bytes are still in
         self._landed: dict[str, asyncio.Event] = {}  # name -> set when its foreground write is done
+        self._copies: Counter[str] = Counter()  # copies spawned and not finished, per name
+        self._name_locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._sem: asyncio.Semaphore | None = None
         self._protected = _Protected(self)
@@ -333,7 +335,7 @@ class TieredStore:
                 if good and name not in self.placement.tiers[j].resident:
                     # evicted by a later chunk of this batch before it landed: a demotion
                     # (waiting for this write) has copied it on, or it was dropped
-                    if not self._is_source(name, j):  # type: ignore[arg-type]
+                    if name not in self._copies:  # else the name's last copy cleans up
                         await tier.delete_many([name])  # type: ignore[list-item]
                     results[i] = self.placement.where(name) is not None
                 elif good:
@@ -415,6 +417,10 @@ class TieredStore:
             self.metrics.quarantines.labels(self.tier_names[src]).inc(bad)
         for (i, placed), tensor in zip(group, got):
             name = names[i]
+            if tensor is None and placed != src:
+                # read where its bytes were while a copy was landing; it may just have landed
+                target = [out[i]] if out is not None else None
+                tensor = (await self.tiers[placed].get_many([name], target))[0]
             if tensor is None:
                 # the engine believed it held: the object is gone or was corrupt
                 self.placement.forget(name, placed)
@@ -476,15 +482,17 @@ class TieredStore:
         copies: list[Move] = []
         for m in moves:
             if m.kind == "drop":
-                if not self._landing or not self._is_source(m.key, m.src):  # type: ignore[arg-type]
+                if m.key not in self._copies:
                     drops.setdefault(m.src, []).append(m.key)  # type: ignore[arg-type]
-                # else: a copy is reading it; the copy deletes it when done
+                # else: a copy may be reading it; the name's last copy cleans up
                 self.metrics.evictions.labels(self.tier_names[m.src]).inc()  # type: ignore[index]
             elif m.kind in ("promote", "demote"):
                 if m.kind == "demote":
                     self.metrics.evictions.labels(self.tier_names[m.src]).inc()  # type: ignore[index]
                 # until the copy lands, read it where its bytes are
-                self._landing[(m.key, m.dst)] = self._landing.get((m.key, m.src), m.src)  # type: ignore[index]
+                src = self._landing.get((m.key, m.src), m.src)  # type: ignore[arg-type]
+                self._landing[(m.key, m.dst)] = src  # type: ignore[index]
+                self._copies[m.key] += 1  # type: ignore[index]
                 copies.append(m)
         for j, keys in drops.items():
             t0 = time.perf_counter()
@@ -510,30 +518,40 @@ class TieredStore:
         task.add_done_callback(done)
 
     async def _copy(self, m: Move) -> None:
+        """One promotion or demotion.  Copies of one name run one at a time (in order);
+        a landing entry and the source bytes stay until the name's last copy is done."""
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_moves)
         name: str = m.key  # type: ignore[assignment]
         dst_i: int = m.dst  # type: ignore[assignment]
-        async with self._sem:
-            pending = self._landed.get(name)
-            if pending is not None:
-                await pending.wait()  # the source is still being written by a put
-            src_i = self._landing.get((name, dst_i), m.src)
-            try:
+        lock = self._name_locks.setdefault(name, asyncio.Lock())
+        try:
+            async with lock, self._sem:
+                pending = self._landed.get(name)
+                if pending is not None:
+                    await pending.wait()  # the source is still being written by a put
+                src_i = self._landing.get((name, dst_i), m.src)
                 await self._copy_into(m, name, src_i, dst_i)  # type: ignore[arg-type]
-            finally:
-                if self._landing.get((name, dst_i)) == src_i:
-                    del self._landing[(name, dst_i)]
-            # the source copy goes once nothing needs it: a demotion's always, a promotion's
-            # if the source tier evicted it meanwhile (the drop waited for this copy)
-            if name not in self.placement.tiers[src_i].resident and not self._is_source(name, src_i):  # type: ignore[index]
-                await self.tiers[src_i].delete_many([name])  # type: ignore[index]
+        finally:
+            self._copies[name] -= 1
+            if self._copies[name] <= 0:
+                del self._copies[name]
+                self._name_locks.pop(name, None)
+                for key in [k for k in self._landing if k[0] == name]:
+                    del self._landing[key]
+                # the name's last copy is done: no tier keeps bytes the engine does not count
+                # (a demotion's source, a promotion's source evicted meanwhile, drops that waited)
+                stale = [j for j, st in enumerate(self.placement.tiers) if name not in st.resident]
+                for j in stale:
+                    await self.tiers[j].delete_many([name])
             self._update_gauges()
 
     async def _copy_into(self, m: Move, name: str, src_i: int, dst_i: int) -> None:
         if name not in self.placement.tiers[dst_i].resident:
             return  # evicted again before the copy started
         if not await self._copy_bytes(name, src_i, dst_i):
+            if (await self.tiers[dst_i].contains_many([name]))[0]:
+                return  # an earlier copy of the same name has landed it
             self.placement.forget(name, dst_i)
             if self.placement.where(name) is None:
                 self.book.discard(name)
@@ -542,9 +560,6 @@ class TieredStore:
         self.metrics.bytes_in.labels(self.tier_names[dst_i], namespace_of(name)).inc(m.size)
         if name not in self.placement.tiers[dst_i].resident:
             await self.tiers[dst_i].delete_many([name])  # evicted while copying
-
-    def _is_source(self, name: str, tier: int) -> bool:
-        return any(k[0] == name and v == tier for k, v in self._landing.items())
 
     async def _copy_bytes(self, name: str, src_i: int, dst_i: int) -> bool:
         src, dst = self.tiers[src_i], self.tiers[dst_i]
