@@ -365,6 +365,22 @@ class DiskBackend(Backend):
         self.counters.get_bytes += got
         return buf[:got]
 
+    async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
+        return list(await asyncio.gather(*(self._head(n, nbytes) for n in names)))
+
+    async def _head(self, name: str, nbytes: int) -> memoryview | None:
+        try:
+            check_object_name(name)
+            fd, size = await _open_read(self.path_of(name))
+        except (InvalidKeyError, OSError):
+            return None
+        buf = memoryview(bytearray(min(size, nbytes)))
+        try:
+            got = await _read_all(fd, buf)  # closes fd
+        except OSError:
+            return None
+        return buf[:got]
+
     # ---- the rest -----------------------------------------------------------
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         out = []

@@ -15,6 +15,11 @@ import click
 
 COMMANDS: dict[str, str] = {
     "bench": "kvstore.cli.bench:bench",
+    "migrate": "kvstore.cli.ops:migrate",
+    "ls": "kvstore.cli.ops:ls",
+    "stat": "kvstore.cli.ops:stat",
+    "verify": "kvstore.cli.ops:verify",
+    "gc": "kvstore.cli.ops:gc",
 }
 
 

@@ -1,0 +1,1 @@
+"""S3 tests use the session-wide SeaweedFS fixtures of tests/conftest.py."""
