@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "stat": "kvstore.cli.ops:stat",
     "verify": "kvstore.cli.ops:verify",
     "gc": "kvstore.cli.ops:gc",
+    "simulate": "kvstore.cli.simulate:simulate",
 }
 
 

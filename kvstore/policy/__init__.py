@@ -1,0 +1,56 @@
+"""The policy engine: pure, synchronous placement decisions for the tiered store and the simulator.
+
+Owns: the policy registry.  Policies (all byte-aware, all behind `Policy`):
+
+=========  ==============================================================
+``chain``  default; prefix-chain aware, adaptive (see `kvstore.policy.chain`)
+``lru``    least recently used
+``lfu``    least frequently used
+``arc``    Adaptive Replacement Cache
+``wtinylfu`` W-TinyLFU (window LRU + TinyLFU admission + segmented LRU)
+``belady`` offline optimum; needs the future, simulator only
+=========  ==============================================================
+
+`make_policy(name, capacity)` builds one; `PolicyEvictor(policy)` plugs one into a backend
+that takes a `kvstore.eviction.Evictor`.  Multi-tier rules live in `kvstore.policy.engine`.
+Must not touch: I/O, asyncio, clocks.
+"""
+
+from __future__ import annotations
+
+from kvstore.policy.base import NO_META, ChunkMeta, Policy, PolicyEvictor
+from kvstore.policy.belady import BeladyPolicy
+from kvstore.policy.chain import ChainPolicy
+from kvstore.policy.classic import ARCPolicy, LFUPolicy, LRUPolicy, WTinyLFUPolicy
+from kvstore.policy.engine import Move, Placement, TierState
+
+DEFAULT_POLICY = "chain"
+
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (ChainPolicy, LRUPolicy, LFUPolicy, ARCPolicy, WTinyLFUPolicy, BeladyPolicy)
+}
+ONLINE_POLICIES = tuple(n for n, p in POLICIES.items() if not p.offline)
+
+
+def make_policy(name: str, capacity: int, **kwargs: object) -> Policy:
+    """A fresh policy by name; `belady` also needs ``future=`` (the reference sequence)."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
+    return cls(capacity, **kwargs)  # type: ignore[arg-type]
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "NO_META",
+    "ONLINE_POLICIES",
+    "POLICIES",
+    "ChunkMeta",
+    "Move",
+    "Placement",
+    "Policy",
+    "PolicyEvictor",
+    "TierState",
+    "make_policy",
+]

@@ -1,0 +1,127 @@
+"""The policy interface: what every placement policy answers, from metadata alone.
+
+Owns: `ChunkMeta` (what a policy may know about a chunk), the `Policy` ABC and
+`PolicyEvictor`, the adapter that lets any policy drive a byte-bounded backend through
+the `kvstore.eviction.Evictor` protocol.  Must not touch: I/O, clocks, asyncio — a policy
+is pure and synchronous, so the live store and the simulator run the same code.
+
+Call protocol (one tier; `kvstore.policy.engine` drives it):
+
+* every reference to a key calls exactly one of ``touch(key, meta)`` (resident: a hit)
+  or ``miss(key, meta)`` (not resident; feeds ghost lists and frequency sketches);
+* after a miss the engine may ask ``admit(key, size, meta)`` and then ``insert``;
+* when over budget it asks ``victim(protected)`` and then ``remove(key, evicted=True)``;
+  ``remove(key)`` without `evicted` is a delete (no ghost entry, no learning).
+
+`victim` must never return a key in `protected` (pinned, being read, or part of the
+request being stored); it returns None when every resident key is protected.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import ClassVar
+
+NOTHING: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """What a policy may know about a chunk besides its name and size.
+
+    depth: position in its prefix chain (0 = first chunk of a prompt).
+    parent: name of the chunk before it in the chain (None for a head or unknown);
+        a chunk is only useful while its parent is, so chain-aware policies evict tails first.
+    cost: relative cost of recomputing it (prefill work); 1.0 when unknown.
+    tail: it was the last chunk of the batch that stored it (the end of a prompt, often a
+        partial block that later prompts do not share).
+    """
+
+    depth: int = 0
+    parent: str | None = None
+    cost: float = 1.0
+    tail: bool = False
+
+
+NO_META = ChunkMeta()
+
+
+class Policy(abc.ABC):
+    """Orders the residents of one tier for eviction and decides admission."""
+
+    name: ClassVar[str] = ""
+    #: True for offline policies that need the future (`belady`); never a default.
+    offline: ClassVar[bool] = False
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    def admit(self, key: str, size: int, meta: ChunkMeta = NO_META) -> bool:
+        """Whether a key that just missed should be stored at all (default: always)."""
+        return True
+
+    def miss(self, key: str, meta: ChunkMeta = NO_META) -> None:  # noqa: B027 - optional hook
+        """A reference to a key that is not resident."""
+
+    @abc.abstractmethod
+    def insert(self, key: str, size: int, meta: ChunkMeta = NO_META) -> None:
+        """`key` is now resident (after a miss, or re-written)."""
+
+    @abc.abstractmethod
+    def touch(self, key: str, meta: ChunkMeta = NO_META) -> None:
+        """A hit on a resident key."""
+
+    @abc.abstractmethod
+    def remove(self, key: str, evicted: bool = False) -> None:
+        """`key` left the tier: chosen victim (`evicted`) or deleted.  Unknown keys are ignored."""
+
+    @abc.abstractmethod
+    def victim(self, protected: Container[str] = NOTHING) -> str | None:
+        """The resident key to drop next, never one in `protected`; None if there is none."""
+
+    @abc.abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
+
+
+class PolicyEvictor:
+    """Any `Policy` as a `kvstore.eviction.Evictor`, for the memory and disk backends.
+
+    The backend keeps its own byte accounting; this only maps the four calls.  A re-insert
+    of a resident name is a touch.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+
+    def insert(self, name: str, size: int) -> None:
+        if name in self.policy:
+            self.policy.remove(name)
+        else:
+            self.policy.miss(name)
+        self.policy.insert(name, size)
+
+    def touch(self, name: str) -> None:
+        if name in self.policy:
+            self.policy.touch(name)
+
+    def remove(self, name: str) -> None:
+        # The backend calls remove both for deletes and after choosing a victim; a victim
+        # was already handed out by `victim`, which marked it.
+        self.policy.remove(name, evicted=name == self._last_victim)
+
+    _last_victim: str | None = None
+
+    def victim(self, protected: frozenset[str] | set[str] = NOTHING) -> str | None:
+        self._last_victim = self.policy.victim(protected)
+        return self._last_victim
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def __bool__(self) -> bool:  # an empty evictor is still an evictor (`evictor or default`)
+        return True

@@ -1,0 +1,249 @@
+"""Placement across an ordered list of tiers: which tier holds what, and which copies to make.
+
+Owns: per-tier residency and byte accounting (`TierState`), the multi-tier rules
+(`Placement`): stores land in the top tier (and in every write-through tier), a hit in a
+lower tier is promoted to the top, a victim is demoted into the next tier instead of
+dropped when that tier admits it, watermarks bound each tier.  Decisions are returned as
+`Move` values; nothing here does I/O, so `kvstore.tiered.TieredStore` (live) and
+`kvstore.policy.simulate` (trace replay) run exactly the same bookkeeping.
+
+Must not touch: backends, asyncio, clocks.
+
+State changes happen at decision time: after `store()` returns, the key *is* resident
+in the new tier as far as the policies are concerned; the store executes the returned
+moves and keeps the source readable until each copy has landed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Hashable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
+
+MoveKind = Literal["write", "promote", "demote", "drop"]
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One copy or deletion to carry out.
+
+    write: the caller's data goes to tier `dst`.  promote/demote: copy `key` from `src`
+    to `dst` (the source copy of a demotion is then deleted; a promotion keeps it).
+    drop: delete `key` from tier `src`.
+    """
+
+    kind: MoveKind
+    key: Hashable
+    size: int
+    src: int | None = None
+    dst: int | None = None
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    writes: int = 0
+    evictions: int = 0
+    demotions_in: int = 0
+    promotions_in: int = 0
+    rejected: int = 0
+
+
+@dataclass
+class TierState:
+    """One tier's residents under a byte budget, ordered by its policy.
+
+    Watermarks: when a write would take the tier above `high` × capacity, victims go
+    until it is at or below `low` × capacity (both 1.0: evict just enough).
+    write: "back" — the tier receives data only by demotion from the tier above (or as the
+    top tier); "through" — every store is also written here.
+    """
+
+    capacity: int
+    policy: Policy
+    name: str = ""
+    write: Literal["back", "through"] = "back"
+    high: float = 1.0
+    low: float = 1.0
+    resident: dict = field(default_factory=dict)
+    used: int = 0
+    counters: TierCounters = field(default_factory=TierCounters)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.low <= self.high <= 1.0:
+            raise ValueError(
+                f"watermarks must satisfy 0 < low <= high <= 1 (got low={self.low}, high={self.high})"
+            )
+        if self.write not in ("back", "through"):
+            raise ValueError(f"write mode must be 'back' or 'through', not {self.write!r}")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.resident
+
+    def make_room(self, size: int, protected: Container = NOTHING) -> tuple[list[tuple[Hashable, int]], bool]:
+        """Evict for a write of `size`: (victims, already removed; whether it now fits)."""
+        cap = self.capacity
+        if size > cap:
+            return [], False
+        if self.used + size <= self.high * cap:
+            return [], True
+        target = self.low * cap - size
+        victims: list[tuple[Hashable, int]] = []
+        while self.used > target:
+            key = self.policy.victim(protected)
+            if key is None:
+                break
+            victims.append((key, self.take(key, evicted=True)))
+        return victims, self.used + size <= cap
+
+    def add(self, key: Hashable, size: int, meta: ChunkMeta) -> None:
+        self.resident[key] = size
+        self.used += size
+        self.policy.insert(key, size, meta)  # type: ignore[arg-type]
+
+    def take(self, key: Hashable, evicted: bool = False) -> int:
+        size = self.resident.pop(key)
+        self.used -= size
+        self.policy.remove(key, evicted=evicted)  # type: ignore[arg-type]
+        if evicted:
+            self.counters.evictions += 1
+        return size
+
+
+class Placement:
+    """The placement engine over tiers ordered hot → cold."""
+
+    def __init__(self, tiers: list[TierState], promote: bool = True) -> None:
+        if not tiers:
+            raise ValueError("a placement needs at least one tier")
+        self.tiers = tiers
+        self.promote = promote
+        self.meta: dict = {}  # ChunkMeta of every key held in some tier
+
+    def where(self, key: Hashable) -> int | None:
+        """The highest tier holding `key`, or None."""
+        for i, t in enumerate(self.tiers):
+            if key in t.resident:
+                return i
+        return None
+
+    def prefix(self, keys: list) -> int:
+        """How many leading `keys` are held in some tier (no policy state changes)."""
+        n = 0
+        tiers = self.tiers
+        for k in keys:
+            for t in tiers:
+                if k in t.resident:
+                    break
+            else:
+                return n
+            n += 1
+        return n
+
+    def hit(self, key: Hashable, meta: ChunkMeta = NO_META, protected: Container = NOTHING) -> list[Move]:
+        """`key` was read: touch it where it lives; promote it to the top tier if lower."""
+        i = self.where(key)
+        if i is None:
+            return []
+        if meta is NO_META:
+            meta = self.meta.get(key, NO_META)
+        tier = self.tiers[i]
+        tier.policy.touch(key, meta)  # type: ignore[arg-type]
+        size = tier.resident[key]
+        tier.counters.hits += 1
+        tier.counters.bytes_read += size
+        for t in self.tiers[:i]:
+            t.policy.miss(key, meta)  # type: ignore[arg-type]
+        if i == 0 or not self.promote:
+            return []
+        moves: list[Move] = []
+        top = self.tiers[0]
+        # the data is read once: the promotion writes what the hit read
+        if top.policy.admit(key, size, meta) and self._place(0, key, size, meta, protected, moves):  # type: ignore[arg-type]
+            top.counters.promotions_in += 1
+            moves.insert(0, Move("promote", key, size, i, 0))
+        return moves
+
+    def store(
+        self, key: Hashable, size: int, meta: ChunkMeta = NO_META, protected: Container = NOTHING
+    ) -> list[Move]:
+        """A write of `key`: land it in the top tier and every write-through tier.
+
+        A key already held somewhere is a touch there (no rewrite).
+        """
+        i = self.where(key)
+        if i is not None:
+            self.tiers[i].policy.touch(key, meta)  # type: ignore[arg-type]
+            return []
+        moves: list[Move] = []
+        for j, tier in enumerate(self.tiers):
+            if j and tier.write != "through":
+                continue
+            tier.policy.miss(key, meta)  # type: ignore[arg-type]
+            if not tier.policy.admit(key, size, meta):  # type: ignore[arg-type]
+                tier.counters.rejected += 1
+                continue
+            at = len(moves)
+            if self._place(j, key, size, meta, protected, moves):
+                moves.insert(at, Move("write", key, size, None, j))
+        return moves
+
+    def _place(
+        self, j: int, key: Hashable, size: int, meta: ChunkMeta, protected: Container, moves: list[Move]
+    ) -> bool:
+        tier = self.tiers[j]
+        victims, ok = tier.make_room(size, protected)
+        for vkey, vsize in victims:
+            self._demote(j, vkey, vsize, protected, moves)
+        if not ok:
+            tier.counters.rejected += 1
+            return False
+        tier.add(key, size, meta)
+        if meta is not NO_META:
+            self.meta[key] = meta
+        tier.counters.writes += 1
+        tier.counters.bytes_written += size
+        return True
+
+    def _demote(self, j: int, key: Hashable, size: int, protected: Container, moves: list[Move]) -> None:
+        """Tier `j` evicted `key`: hand it to the next tier if that admits it, else drop it."""
+        nxt = j + 1
+        if self.where(key) is None:
+            meta = self.meta.get(key, NO_META)
+            if nxt < len(self.tiers):
+                below = self.tiers[nxt]
+                below.policy.miss(key, meta)  # type: ignore[arg-type]
+                if below.policy.admit(key, size, meta):  # type: ignore[arg-type]
+                    at = len(moves)
+                    if self._place(nxt, key, size, meta, protected, moves):
+                        below.counters.demotions_in += 1
+                        moves.insert(at, Move("demote", key, size, j, nxt))
+                        return
+            self.meta.pop(key, None)
+        moves.append(Move("drop", key, size, j, None))
+
+    def holders(self, key: Hashable) -> list[int]:
+        """Every tier holding `key`, top first."""
+        return [i for i, t in enumerate(self.tiers) if key in t.resident]
+
+    def forget(self, key: Hashable, tier: int) -> None:
+        """Undo a placement in `tier` whose copy never landed (a failed write or move)."""
+        t = self.tiers[tier]
+        if key in t.resident:
+            t.take(key)
+        if self.where(key) is None:
+            self.meta.pop(key, None)
+
+    def delete(self, key: Hashable) -> list[Move]:
+        """Remove `key` from every tier (no ghost entries)."""
+        moves = []
+        for j, t in enumerate(self.tiers):
+            if key in t.resident:
+                size = t.take(key)
+                moves.append(Move("drop", key, size, j, None))
+        self.meta.pop(key, None)
+        return moves

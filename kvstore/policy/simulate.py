@@ -1,0 +1,172 @@
+"""Trace replay through modelled tiers, with the same policy objects the live store uses.
+
+Owns: `TierModel` (a modelled tier: capacity, policy, bandwidth), `simulate()` and its
+`SimResult`.  Must not touch: backends, asyncio.
+
+Per request: the longest prefix of its blocks held in any tier counts as hits (each hit
+is read from the tier that holds it, promoted to the top tier when lower), then every
+block after that prefix is stored (a block already held somewhere is touched), as one
+batch whose blocks are protected from eviction while it is stored.  `kvstore.tiered`
+runs the same `Placement` calls for `prefix_lookup` / `get_many` / `put_many`, so a live
+replay reproduces these hit counts exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from kvstore.policy import DEFAULT_POLICY, ChunkMeta, make_policy
+from kvstore.policy.engine import Placement, TierState
+from kvstore.policy.trace import BLOCK_TOKENS, Request, distinct_blocks
+
+GB = 1e9
+
+
+@dataclass
+class TierModel:
+    """A modelled tier.  `bandwidth` (bytes/s) turns bytes read into load time."""
+
+    capacity: int
+    policy: str = DEFAULT_POLICY
+    name: str = ""
+    bandwidth: float = 10 * GB
+    write: str = "back"
+    high: float = 1.0
+    low: float = 1.0
+
+
+@dataclass
+class TierResult:
+    name: str
+    policy: str
+    capacity: int
+    hits: int
+    hit_ratio: float
+    bytes_read: int
+    bytes_written: int
+    writes: int
+    evictions: int
+    promotions_in: int
+    demotions_in: int
+    rejected: int
+    load_seconds: float
+
+
+@dataclass
+class SimResult:
+    policy: str
+    capacity_blocks: int
+    requests: int
+    block_refs: int
+    distinct_blocks: int
+    prefix_hits: int
+    hit_ratio: float
+    block_bytes: int
+    tiers: list[TierResult] = field(default_factory=list)
+    load_seconds: float = 0.0
+    recompute_seconds_saved: float = 0.0
+    recompute_seconds_total: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def chain_meta(keys: tuple, i: int) -> ChunkMeta:
+    """Metadata of the i-th block of a request: its depth and its parent in the chain."""
+    return ChunkMeta(depth=i, parent=keys[i - 1] if i else None, tail=i == len(keys) - 1)
+
+
+def build_placement(
+    tiers: list[TierModel], requests: list[Request] | None = None, promote: bool = True
+) -> Placement:
+    states = []
+    for i, t in enumerate(tiers):
+        kwargs: dict = {}
+        if t.policy == "belady":
+            if len(tiers) != 1 or requests is None:
+                raise ValueError("belady is an offline reference for one tier only")
+            kwargs["future"] = [k for r in requests for k in r.hash_ids]
+        states.append(
+            TierState(
+                capacity=t.capacity,
+                policy=make_policy(t.policy, t.capacity, **kwargs),
+                name=t.name or f"tier{i}",
+                write=t.write,  # type: ignore[arg-type]
+                high=t.high,
+                low=t.low,
+            )
+        )
+    return Placement(states, promote=promote)
+
+
+def replay(placement: Placement, requests: list[Request], block_bytes: int = 1) -> int:
+    """Run `requests` through `placement`; the number of prefix-hit blocks."""
+    hits = 0
+    prefix = placement.prefix
+    hit = placement.hit
+    store = placement.store
+    for r in requests:
+        keys = r.hash_ids
+        n = prefix(keys)
+        hits += n
+        for i in range(n):
+            hit(keys[i])  # as a live read: the policy knows the chunk from when it was stored
+        for i in range(n, len(keys)):
+            store(keys[i], block_bytes, chain_meta(keys, i))
+    return hits
+
+
+def simulate(
+    requests: list[Request],
+    tiers: list[TierModel],
+    block_bytes: int = 1,
+    prefill_tokens_per_s: float = 10_000.0,
+    block_tokens: int = BLOCK_TOKENS,
+) -> SimResult:
+    """Replay `requests` through `tiers` (capacities in bytes; blocks are `block_bytes` each)."""
+    placement = build_placement(tiers, requests)
+    hits = replay(placement, requests, block_bytes)
+    refs = sum(len(r.hash_ids) for r in requests)
+    out_tiers = []
+    load = 0.0
+    for model, st in zip(tiers, placement.tiers):
+        c = st.counters
+        secs = c.bytes_read / model.bandwidth if model.bandwidth else 0.0
+        load += secs
+        out_tiers.append(
+            TierResult(
+                name=st.name,
+                policy=model.policy,
+                capacity=model.capacity,
+                hits=c.hits,
+                hit_ratio=c.hits / refs if refs else 0.0,
+                bytes_read=c.bytes_read,
+                bytes_written=c.bytes_written,
+                writes=c.writes,
+                evictions=c.evictions,
+                promotions_in=c.promotions_in,
+                demotions_in=c.demotions_in,
+                rejected=c.rejected,
+                load_seconds=secs,
+            )
+        )
+    return SimResult(
+        policy=tiers[0].policy,
+        capacity_blocks=tiers[0].capacity // block_bytes,
+        requests=len(requests),
+        block_refs=refs,
+        distinct_blocks=distinct_blocks(requests),
+        prefix_hits=hits,
+        hit_ratio=hits / refs if refs else 0.0,
+        block_bytes=block_bytes,
+        tiers=out_tiers,
+        load_seconds=load,
+        recompute_seconds_saved=hits * block_tokens / prefill_tokens_per_s,
+        recompute_seconds_total=refs * block_tokens / prefill_tokens_per_s,
+    )
+
+
+def single_tier(requests: list[Request], fraction: float, policy: str = DEFAULT_POLICY) -> SimResult:
+    """The fixed benchmark: one tier holding `fraction` × distinct blocks, equal-size blocks."""
+    cap = int(fraction * distinct_blocks(requests))
+    return simulate(requests, [TierModel(capacity=cap, policy=policy, name="tier0")], block_bytes=1)

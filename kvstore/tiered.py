@@ -1,0 +1,650 @@
+"""TieredStore: tensors by object name across ordered tiers (hot → cold), placed by policy.
+
+Owns: carrying out the placement engine's decisions (`kvstore.policy.engine`) with real
+tiers (`kvstore.tier.Tier` = backend + codec); in-flight bookkeeping; background copies
+between tiers; namespaces (quota, TTL); metrics.  Must not touch: placement rules (the
+engine decides, this module executes), frame or codec internals, backend internals.
+
+Build one::
+
+    store = TieredStore.from_urls(
+        ["mem://hot?capacity=1GiB", "file:///var/kv?capacity=10GiB", ("s3://b/p", "cachegen")],
+        policy="chain",                       # default; or lru, lfu, arc, wtinylfu
+        namespaces={"tenant-a": NamespaceRule(quota=2 << 30, ttl=3600)},
+    )
+
+A tier spec is a URL, ``(url, codec)`` or a `TierSpec`.  Store options in the URL query
+(``capacity``, ``policy``, ``write=back|through``, ``high``, ``low``) are taken out before
+the backend is opened; the store, not the backend, enforces the byte budget.
+
+API (all batched, all async except pin/unpin/stats):
+
+* ``put_many([(name, tensor)], chained=False, parent=None) -> [bool]``  Store; True when
+  the object is held (written now, or already held).  With ``chained=True`` the items are
+  consecutive chunks of one prompt, in order, and `parent` names the chunk just before
+  the first (the end of the prefix already cached): the policy then knows each chunk's
+  place in its prefix chain.  A write becomes visible only once it has landed.
+* ``get_many(names, out=None) -> [tensor | None]``  Read from the highest tier holding
+  each name (into ``out[i]`` when given); a hit in a lower tier is promoted in the
+  background.  Defective frames are quarantined and read as misses.
+* ``contains_many(names) -> [bool]``, ``delete_many(names) -> [bool existed]``.
+* ``prefix_lookup(names) -> int``  How many leading names are held in some tier (the
+  question LMCache asks before retrieving); changes no policy state.
+* ``pin(names, ttl=None)`` / ``unpin(names)``  A pinned name is never evicted until
+  unpinned or until its pin expires (`pin_ttl` seconds by default).
+* ``drain()``  Wait for background copies (promotions, demotions).
+* ``stats() -> StoreStats``; ``metrics.text()`` for Prometheus; ``close()``.
+
+Guarantees: a name being written is invisible until complete; a name being read, written
+or pinned is never chosen as a victim; a victim is demoted to the next tier (if that tier
+admits it) instead of dropped, and stays readable from its old tier until the copy has
+landed; at most `max_moves` copies run at once.  Byte budgets count frame bytes; a
+demotion into a tier with another codec is accounted at the source size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from kvstore.backends.base import BackendStats
+from kvstore.config import parse_size
+from kvstore.frame import FrameError
+from kvstore.keys import InvalidKeyError, check_object_name
+from kvstore.namespaces import NO_RULE, NamespaceBook, NamespaceRule, namespace_of
+from kvstore.policy import DEFAULT_POLICY, NO_META, ChunkMeta, Move, Placement, TierState, make_policy
+from kvstore.store_metrics import StoreMetrics
+from kvstore.tier import Tier
+
+if TYPE_CHECKING:
+    import torch
+    from prometheus_client import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+UNBOUNDED = sys.maxsize
+STORE_OPTIONS = frozenset({"capacity", "policy", "write", "high", "low"})
+
+
+@dataclass
+class TierSpec:
+    """One tier of a store: where (`tier`), how much (`capacity` bytes, None = unbounded),
+    which policy, write mode ("back": filled by demotion; "through": every store lands
+    here too) and watermarks (evict from above `high` × capacity down to `low` ×)."""
+
+    tier: Tier
+    capacity: int | None = None
+    policy: str = DEFAULT_POLICY
+    write: Literal["back", "through"] = "back"
+    high: float = 1.0
+    low: float = 1.0
+    name: str = ""
+
+
+def split_store_options(url: str) -> tuple[str, dict[str, str]]:
+    """(`url` without the store's own query options, those options)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    mine = {k: v for k, v in query if k in STORE_OPTIONS}
+    rest = [(k, v) for k, v in query if k not in STORE_OPTIONS]
+    return urlunsplit(parts._replace(query=urlencode(rest))), mine
+
+
+@dataclass
+class TierStats:
+    name: str
+    policy: str
+    capacity: int | None
+    used_bytes: int
+    objects: int
+    hits: int
+    writes: int
+    evictions: int
+    promotions_in: int
+    demotions_in: int
+    rejected: int
+    backend: BackendStats
+
+
+@dataclass
+class StoreStats:
+    tiers: list[TierStats]
+    namespaces: dict[str, dict[str, int]] = field(default_factory=dict)
+    moves_in_flight: int = 0
+    pinned: int = 0
+
+
+class _Protected:
+    """Names no victim may be chosen from: those being read, and live pins."""
+
+    __slots__ = ("store",)
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+
+    def __contains__(self, name: object) -> bool:
+        s = self.store
+        if name in s._reading:
+            return True
+        until = s._pins.get(name)  # type: ignore[arg-type]
+        return until is not None and until > s._clock()
+
+
+class TieredStore:
+    """Tensors across tiers; see the module docstring for the API and guarantees."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        *,
+        namespaces: dict[str, NamespaceRule] | None = None,
+        default_namespace: NamespaceRule = NO_RULE,
+        max_moves: int = 4,
+        pin_ttl: float = 60.0,
+        promote: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        if max_moves < 1:
+            raise ValueError("max_moves must be at least 1")
+        self.specs = list(tiers)
+        self.tiers = [s.tier for s in self.specs]
+        states = []
+        for i, s in enumerate(self.specs):
+            cap = s.capacity if s.capacity else UNBOUNDED
+            states.append(
+                TierState(
+                    capacity=cap,
+                    policy=make_policy(s.policy, cap),
+                    name=s.name or f"tier{i}",
+                    write=s.write,
+                    high=s.high,
+                    low=s.low,
+                )
+            )
+        if any(st.policy.offline for st in states):
+            raise ValueError("belady needs the future; it runs only in `kvstore simulate`")
+        self.placement = Placement(states, promote=promote)
+        self.tier_names = [st.name for st in states]
+        self.book = NamespaceBook(namespaces, default_namespace)
+        self.metrics = StoreMetrics(registry)
+        self.max_moves = max_moves
+        self.pin_ttl = pin_ttl
+        self._clock = clock
+        self._writing: Counter[str] = Counter()
+        self._reading: Counter[str] = Counter()
+        self._pins: dict[str, float] = {}
+        self._landing: dict[tuple[str, int], int] = {}  # (name, tier) -> tier its bytes are still in
+        self._landed: dict[str, asyncio.Event] = {}  # name -> set when its foreground write is done
+        self._copies: Counter[str] = Counter()  # copies spawned and not finished, per name
+        self._name_locks: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._sem: asyncio.Semaphore | None = None
+        self._protected = _Protected(self)
+        self._closed = False
+
+    @classmethod
+    def from_urls(
+        cls,
+        specs: Sequence[str | tuple[str, str] | TierSpec],
+        *,
+        policy: str = DEFAULT_POLICY,
+        **kwargs: object,
+    ) -> TieredStore:
+        """A store from tier URLs, hot first: ``"mem://hot?capacity=1GiB"``, ``("s3://b/p", "cachegen")``."""
+        tiers = []
+        for i, spec in enumerate(specs):
+            if isinstance(spec, TierSpec):
+                tiers.append(spec)
+                continue
+            url, codec = (spec, "raw") if isinstance(spec, str) else spec
+            backend_url, opts = split_store_options(url)
+            write = opts.get("write", "back")
+            if write not in ("back", "through"):
+                raise ValueError(f"write={write!r} in {url!r}: use write=back or write=through")
+            tiers.append(
+                TierSpec(
+                    tier=Tier.open(backend_url, codec),
+                    capacity=parse_size(opts.get("capacity")),
+                    policy=opts.get("policy", policy),
+                    write=write,  # type: ignore[arg-type]
+                    high=float(opts.get("high", 1.0)),
+                    low=float(opts.get("low", 1.0)),
+                    name=f"tier{i}",
+                )
+            )
+        return cls(tiers, **kwargs)  # type: ignore[arg-type]
+
+    # -- visibility ----------------------------------------------------------------------
+    def _visible(self, name: str, now: float) -> int | None:
+        """The tier serving `name`, or None (absent, still being written, or expired)."""
+        if name in self._writing or self.book.is_expired(name, now):
+            return None
+        return self.placement.where(name)
+
+    async def prefix_lookup(self, names: Sequence[str]) -> int:
+        """How many leading `names` are held in some tier."""
+        now = self._clock()
+        await self._expire(now)
+        n = 0
+        for name in names:
+            if self._visible(name, now) is None:
+                break
+            n += 1
+        return n
+
+    async def contains_many(self, names: Sequence[str]) -> list[bool]:
+        now = self._clock()
+        await self._expire(now)
+        return [self._visible(n, now) is not None for n in names]
+
+    # -- writes --------------------------------------------------------------------------
+    async def put_many(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        chained: bool = False,
+        parent: str | None = None,
+        layout: str = "raw",
+    ) -> list[bool]:
+        """Store tensors; see the module docstring."""
+        now = self._clock()
+        await self._expire(now)
+        top = self.tiers[0]
+        results = [False] * len(items)
+        frames: list[list[memoryview] | None] = []
+        for name, tensor in items:
+            try:
+                check_object_name(name)
+            except InvalidKeyError:
+                log.warning("kvstore: refusing to store invalid object name %r", name)
+                frames.append(None)
+                continue
+            frames.append(top.codec.frame_parts(tensor, key=name, layout=layout))
+
+        # decide everything first (synchronously: no other task sees a half-made plan)
+        protected = self._protected
+        moves: list[Move] = []
+        writes: list[tuple[int, Move]] = []
+        prev_meta = self.placement.meta.get(parent, NO_META) if parent is not None else NO_META
+        prev = parent
+        landed = asyncio.Event()
+        for i, (name, _) in enumerate(items):
+            parts = frames[i]
+            if parts is None:
+                continue
+            size = sum(p.nbytes for p in parts)
+            if chained:
+                depth = prev_meta.depth + 1 if prev is not None else 0
+                meta = ChunkMeta(depth=depth, parent=prev, tail=i == len(items) - 1)
+                prev, prev_meta = name, meta
+            else:
+                meta = NO_META
+            if self.placement.where(name) is None:
+                room = self.book.over_quota(name, size, keep=protected)  # type: ignore[arg-type]
+                if room is None:
+                    self.metrics.errors.labels("quota", "-").inc()
+                    continue
+                for old in room:
+                    moves.extend(self.placement.delete(old))
+                    self.metrics.quota_evictions.labels(namespace_of(old)).inc()
+                    self.book.discard(old)
+            else:
+                results[i] = True  # already held: the store call is a touch
+            for m in self.placement.store(name, size, meta, protected):
+                if name not in self.book:
+                    self.book.add(name, size, now)  # reserved now: later items see the quota
+                if m.kind == "write":
+                    writes.append((i, m))
+                    self._writing[name] += 1
+                    self._landed[name] = landed
+                else:
+                    moves.append(m)
+
+        await self._carry_out(moves)
+        # the caller's data: written in the foreground, one batch per tier
+        by_tier: dict[int, list[tuple[int, Move]]] = {}
+        for i, m in writes:
+            by_tier.setdefault(m.dst, []).append((i, m))  # type: ignore[arg-type]
+
+        async def write_tier(j: int, batch: list[tuple[int, Move]]) -> None:
+            tier = self.tiers[j]
+            payload = []
+            for i, m in batch:
+                parts = frames[i]
+                if tier.codec is not top.codec and tier.codec.name != top.codec.name:
+                    parts = tier.codec.frame_parts(items[i][1], key=m.key, layout=layout)  # type: ignore[arg-type]
+                payload.append((m.key, parts))
+            t0 = time.perf_counter()
+            ok = await tier.put_frames(payload)  # type: ignore[arg-type]
+            self.metrics.op_seconds.labels("put", self.tier_names[j]).observe(time.perf_counter() - t0)
+            for (i, m), good in zip(batch, ok):
+                name = m.key
+                self._writing[name] -= 1  # type: ignore[index]
+                if self._writing[name] <= 0:  # type: ignore[index]
+                    del self._writing[name]  # type: ignore[arg-type]
+                if good and name not in self.placement.tiers[j].resident:
+                    # evicted by a later chunk of this batch before it landed: a demotion
+                    # (waiting for this write) has copied it on, or it was dropped
+                    if name not in self._copies:  # else the name's last copy cleans up
+                        await tier.delete_many([name])  # type: ignore[list-item]
+                    results[i] = self.placement.where(name) is not None
+                elif good:
+                    results[i] = True
+                    self.metrics.bytes_in.labels(self.tier_names[j], namespace_of(name)).inc(m.size)  # type: ignore[arg-type]
+                else:
+                    self.metrics.errors.labels("put", self.tier_names[j]).inc()
+                    self.placement.forget(name, j)
+
+        try:
+            await asyncio.gather(*(write_tier(j, b) for j, b in by_tier.items()))
+        finally:
+            landed.set()
+            for _, m in writes:
+                if self._landed.get(m.key) is landed:  # type: ignore[arg-type]
+                    del self._landed[m.key]  # type: ignore[arg-type]
+        for name, _ in items:
+            if self.placement.where(name) is None:
+                self.book.discard(name)
+        self._update_gauges()
+        return results
+
+    # -- reads ---------------------------------------------------------------------------
+    async def get_many(
+        self, names: Sequence[str], out: Sequence[torch.Tensor | None] | None = None
+    ) -> list[torch.Tensor | None]:
+        """Tensors for `names` (None = miss); with `out`, each hit is written into out[i]."""
+        now = self._clock()
+        await self._expire(now)
+        result: list[torch.Tensor | None] = [None] * len(names)
+        groups: dict[int, list[tuple[int, int]]] = {}  # source tier -> [(index, placed tier)]
+        for i, name in enumerate(names):
+            j = self._visible(name, now)
+            if j is None:
+                continue
+            src = self._landing.get((name, j), j)
+            groups.setdefault(src, []).append((i, j))
+            self._reading[name] += 1
+        served: list[bool] = [False] * len(names)
+        try:
+            await asyncio.gather(
+                *(self._read_group(src, g, names, out, result, served) for src, g in groups.items())
+            )
+        finally:
+            for idxs in groups.values():
+                for i, _ in idxs:
+                    self._reading[names[i]] -= 1
+                    if self._reading[names[i]] <= 0:
+                        del self._reading[names[i]]
+        moves: list[Move] = []
+        for i, name in enumerate(names):
+            ns = namespace_of(name)
+            if not served[i]:
+                self.metrics.misses.labels(ns).inc()
+                continue
+            moves.extend(self.placement.hit(name, NO_META, self._protected))
+        await self._carry_out(moves)
+        self._update_gauges()
+        return result
+
+    async def _read_group(
+        self,
+        src: int,
+        group: list[tuple[int, int]],
+        names: Sequence[str],
+        out: Sequence[torch.Tensor | None] | None,
+        result: list[torch.Tensor | None],
+        served: list[bool],
+    ) -> None:
+        tier = self.tiers[src]
+        sub = [names[i] for i, _ in group]
+        sub_out = [out[i] for i, _ in group] if out is not None else None
+        corrupt0 = tier.counters.corrupt
+        t0 = time.perf_counter()
+        got = await tier.get_many(sub, sub_out)
+        self.metrics.op_seconds.labels("get", self.tier_names[src]).observe(time.perf_counter() - t0)
+        bad = tier.counters.corrupt - corrupt0
+        if bad:
+            self.metrics.quarantines.labels(self.tier_names[src]).inc(bad)
+        for (i, placed), tensor in zip(group, got):
+            name = names[i]
+            if tensor is None and placed != src:
+                # read where its bytes were while a copy was landing; it may just have landed
+                target = [out[i]] if out is not None else None
+                tensor = (await self.tiers[placed].get_many([name], target))[0]
+            if tensor is None:
+                # the engine believed it held: the object is gone or was corrupt
+                self.placement.forget(name, placed)
+                if self.placement.where(name) is None:
+                    self.book.discard(name)
+                continue
+            result[i] = tensor
+            served[i] = True
+            ns = namespace_of(name)
+            self.metrics.hits.labels(self.tier_names[placed], ns).inc()
+            self.metrics.bytes_out.labels(self.tier_names[src], ns).inc(
+                self.placement.tiers[placed].resident.get(name, 0)
+            )
+
+    # -- deletes, pins -------------------------------------------------------------------
+    async def delete_many(self, names: Sequence[str]) -> list[bool]:
+        """Remove from every tier; True where the name was held."""
+        existed = []
+        moves: list[Move] = []
+        for name in names:
+            existed.append(self.placement.where(name) is not None)
+            moves.extend(self.placement.delete(name))
+            self.book.discard(name)
+        await self._carry_out(moves)
+        self._update_gauges()
+        return existed
+
+    def pin(self, names: Sequence[str], ttl: float | None = None) -> None:
+        """Keep `names` from eviction for `ttl` seconds (default `pin_ttl`) or until unpinned."""
+        until = self._clock() + (self.pin_ttl if ttl is None else ttl)
+        for name in names:
+            self._pins[name] = until
+
+    def unpin(self, names: Sequence[str]) -> None:
+        for name in names:
+            self._pins.pop(name, None)
+
+    async def _expire(self, now: float) -> None:
+        if self._pins and len(self._pins) > 1024:
+            self._pins = {n: t for n, t in self._pins.items() if t > now}
+        gone = self.book.expired(now)
+        if not gone:
+            return
+        moves: list[Move] = []
+        for name in gone:
+            moves.extend(self.placement.delete(name))
+            self.book.discard(name)
+            self.metrics.expired.labels(namespace_of(name)).inc()
+        await self._carry_out(moves)
+
+    # -- moves ---------------------------------------------------------------------------
+    async def _carry_out(self, moves: Sequence[Move]) -> None:
+        """Drops now (batched per tier); then promotions and demotions in the background.
+
+        Drops go first so that a delete decided before a copy of the same name into the
+        same tier can never land after that copy.
+        """
+        drops: dict[int, list[str]] = {}
+        copies: list[Move] = []
+        for m in moves:
+            if m.kind == "drop":
+                if m.key not in self._copies:
+                    drops.setdefault(m.src, []).append(m.key)  # type: ignore[arg-type]
+                # else: a copy may be reading it; the name's last copy cleans up
+                self.metrics.evictions.labels(self.tier_names[m.src]).inc()  # type: ignore[index]
+            elif m.kind in ("promote", "demote"):
+                if m.kind == "demote":
+                    self.metrics.evictions.labels(self.tier_names[m.src]).inc()  # type: ignore[index]
+                # until the copy lands, read it where its bytes are
+                src = self._landing.get((m.key, m.src), m.src)  # type: ignore[arg-type]
+                self._landing[(m.key, m.dst)] = src  # type: ignore[index]
+                self._copies[m.key] += 1  # type: ignore[index]
+                copies.append(m)
+        for j, keys in drops.items():
+            t0 = time.perf_counter()
+            await self.tiers[j].delete_many(keys)
+            self.metrics.op_seconds.labels("delete", self.tier_names[j]).observe(time.perf_counter() - t0)
+        for m in copies:
+            self._spawn(self._copy(m))
+        for m in moves:
+            if m.kind == "drop" and self.placement.where(m.key) is None:
+                self.book.discard(m.key)  # type: ignore[arg-type]
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        self.metrics.moves_in_flight.set(len(self._tasks))
+
+        def done(t: asyncio.Task) -> None:
+            self._tasks.discard(t)
+            self.metrics.moves_in_flight.set(len(self._tasks))
+            if not t.cancelled() and t.exception() is not None:
+                log.error("kvstore: background copy failed", exc_info=t.exception())
+
+        task.add_done_callback(done)
+
+    async def _copy(self, m: Move) -> None:
+        """One promotion or demotion.  Copies of one name run one at a time (in order);
+        a landing entry and the source bytes stay until the name's last copy is done."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.max_moves)
+        name: str = m.key  # type: ignore[assignment]
+        dst_i: int = m.dst  # type: ignore[assignment]
+        lock = self._name_locks.setdefault(name, asyncio.Lock())
+        try:
+            async with lock, self._sem:
+                pending = self._landed.get(name)
+                if pending is not None:
+                    await pending.wait()  # the source is still being written by a put
+                src_i = self._landing.get((name, dst_i), m.src)
+                await self._copy_into(m, name, src_i, dst_i)  # type: ignore[arg-type]
+        finally:
+            self._copies[name] -= 1
+            if self._copies[name] <= 0:
+                del self._copies[name]
+                self._name_locks.pop(name, None)
+                for key in [k for k in self._landing if k[0] == name]:
+                    del self._landing[key]
+                # the name's last copy is done: no tier keeps bytes the engine does not count
+                # (a demotion's source, a promotion's source evicted meanwhile, drops that waited)
+                stale = [j for j, st in enumerate(self.placement.tiers) if name not in st.resident]
+                for j in stale:
+                    await self.tiers[j].delete_many([name])
+            self._update_gauges()
+
+    async def _copy_into(self, m: Move, name: str, src_i: int, dst_i: int) -> None:
+        if name not in self.placement.tiers[dst_i].resident:
+            return  # evicted again before the copy started
+        if not await self._copy_bytes(name, src_i, dst_i):
+            if (await self.tiers[dst_i].contains_many([name]))[0]:
+                return  # an earlier copy of the same name has landed it
+            self.placement.forget(name, dst_i)
+            if self.placement.where(name) is None:
+                self.book.discard(name)
+            return
+        self.metrics.moves.labels(m.kind, self.tier_names[dst_i]).inc()
+        self.metrics.bytes_in.labels(self.tier_names[dst_i], namespace_of(name)).inc(m.size)
+        if name not in self.placement.tiers[dst_i].resident:
+            await self.tiers[dst_i].delete_many([name])  # evicted while copying
+
+    async def _copy_bytes(self, name: str, src_i: int, dst_i: int) -> bool:
+        src, dst = self.tiers[src_i], self.tiers[dst_i]
+        captured: list[memoryview] = []
+
+        def alloc(n: int) -> memoryview:
+            buf = memoryview(bytearray(n))
+            captured.append(buf)
+            return buf
+
+        t0 = time.perf_counter()
+        frame = (await src.get_frames([name], alloc))[0]
+        if frame is None:
+            self.metrics.errors.labels("copy", self.tier_names[src_i]).inc()
+            return False
+        if frame.header.codec == dst.codec.name:
+            parts = [captured[-1]]  # the verified frame as read: copied byte for byte
+        else:
+            try:
+                tensor = src._decoder(frame.header.codec).decode_payload(frame.payload, frame.header)
+            except (FrameError, ValueError):
+                self.metrics.errors.labels("copy", self.tier_names[src_i]).inc()
+                return False
+            parts = dst.codec.frame_parts(tensor, key=name, layout=frame.header.layout)
+        ok = (await dst.put_frames([(name, parts)]))[0]
+        self.metrics.op_seconds.labels("copy", self.tier_names[dst_i]).observe(time.perf_counter() - t0)
+        if not ok:
+            self.metrics.errors.labels("put", self.tier_names[dst_i]).inc()
+        return ok
+
+    async def drain(self) -> None:
+        """Wait until every background copy has finished."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # -- reporting -----------------------------------------------------------------------
+    def _update_gauges(self) -> None:
+        for name, st in zip(self.tier_names, self.placement.tiers):
+            self.metrics.tier_bytes.labels(name).set(st.used)
+            self.metrics.tier_objects.labels(name).set(len(st.resident))
+        for ns in self.book.namespaces():
+            self.metrics.namespace_bytes.labels(ns).set(self.book.used.get(ns, 0))
+
+    def stats(self) -> StoreStats:
+        tiers = []
+        for spec, st, tier in zip(self.specs, self.placement.tiers, self.tiers):
+            c = st.counters
+            tiers.append(
+                TierStats(
+                    name=st.name,
+                    policy=st.policy.name,
+                    capacity=spec.capacity,
+                    used_bytes=st.used,
+                    objects=len(st.resident),
+                    hits=c.hits,
+                    writes=c.writes,
+                    evictions=c.evictions,
+                    promotions_in=c.promotions_in,
+                    demotions_in=c.demotions_in,
+                    rejected=c.rejected,
+                    backend=tier.backend.stats(),
+                )
+            )
+        now = self._clock()
+        return StoreStats(
+            tiers=tiers,
+            namespaces={
+                ns: {"bytes": self.book.used.get(ns, 0), "objects": self.book.objects(ns)}
+                for ns in self.book.namespaces()
+            },
+            moves_in_flight=len(self._tasks),
+            pinned=sum(1 for t in self._pins.values() if t > now),
+        )
+
+    async def close(self) -> None:
+        """Finish background copies, then close every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.drain()
+        for tier in self.tiers:
+            await tier.close()
+
+    async def __aenter__(self) -> TieredStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,240 @@
+"""Each policy's invariants: budget, protection, order, and the chain policy's tail-first rule."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+
+from kvstore.backends.disk import DiskBackend
+from kvstore.backends.memory import MemoryBackend
+from kvstore.policy import (
+    ONLINE_POLICIES,
+    POLICIES,
+    ChunkMeta,
+    Placement,
+    PolicyEvictor,
+    TierState,
+    make_policy,
+)
+from kvstore.policy.chain import _class
+from kvstore.policy.classic import LRUPolicy
+
+
+def single(policy: str, capacity: int, **kw) -> Placement:  # type: ignore[no-untyped-def]
+    return Placement([TierState(capacity, make_policy(policy, capacity, **kw))])
+
+
+@pytest.mark.parametrize("policy", ONLINE_POLICIES)
+def test_budget_never_exceeded_and_protected_never_evicted(policy: str) -> None:
+    rng = random.Random(7)
+    pl = single(policy, 1000)
+    tier = pl.tiers[0]
+    pinned = {f"k{i}" for i in range(5)}
+    for k in pinned:
+        pl.store(k, 30)
+    for step in range(3000):
+        key = f"k{rng.randrange(200)}"
+        if rng.random() < 0.5 and pl.where(key) is not None:
+            pl.hit(key, protected=pinned)
+        else:
+            pl.store(key, rng.randint(1, 120), protected=pinned)
+        assert tier.used <= tier.capacity, step
+        assert tier.used == sum(tier.resident.values())
+        assert len(tier.policy) == len(tier.resident)
+        assert pinned <= tier.resident.keys(), f"{policy} evicted a protected key at step {step}"
+
+
+@pytest.mark.parametrize("policy", ONLINE_POLICIES)
+def test_object_larger_than_the_tier_is_refused(policy: str) -> None:
+    pl = single(policy, 100)
+    pl.store("small", 60)
+    assert pl.store("huge", 101) == []
+    assert pl.where("huge") is None and pl.where("small") == 0
+
+
+@pytest.mark.parametrize("policy", ONLINE_POLICIES)
+def test_everything_protected_means_the_write_is_refused(policy: str) -> None:
+    pl = single(policy, 100)
+    pl.store("a", 50)
+    pl.store("b", 50)
+    moves = pl.store("c", 50, protected={"a", "b"})
+    assert pl.where("c") is None and not moves
+    assert pl.tiers[0].counters.rejected == 1
+
+
+def test_lru_order_is_recency_order() -> None:
+    pl = single("lru", 3)
+    for k in "abc":
+        pl.store(k, 1)
+    pl.hit("a")  # b is now least recent
+    pl.store("d", 1)
+    assert pl.where("b") is None
+    assert pl.tiers[0].policy.order() == ["c", "a", "d"]  # type: ignore[attr-defined]
+
+
+def test_lfu_keeps_the_frequent_key() -> None:
+    pl = single("lfu", 2)
+    pl.store("hot", 1)
+    for _ in range(3):
+        pl.hit("hot")
+    pl.store("x", 1)
+    pl.store("y", 1)
+    assert pl.where("hot") == 0 and pl.where("x") is None
+
+
+def test_arc_ghost_hit_moves_key_to_frequent_list() -> None:
+    arc = make_policy("arc", 4)
+    pl = Placement([TierState(4, arc)])
+    for k in "abcd":
+        pl.store(k, 1)
+    pl.hit("c")
+    pl.hit("d")  # c, d: seen twice (T2); a, b: once (T1)
+    pl.store("e", 1)  # evicts a, remembered in B1
+    assert "a" in arc.b1  # type: ignore[attr-defined]
+    pl.store("a", 1)  # ghost hit: p grows, a lands in T2
+    assert "a" in arc.t2 and arc.p > 0  # type: ignore[attr-defined]
+
+
+def test_wtinylfu_rejects_one_hit_wonders_in_favour_of_frequent_keys() -> None:
+    pl = single("wtinylfu", 100)
+    for i in range(100):
+        pl.store(f"f{i}", 1)
+    for _ in range(3):
+        for i in range(100):
+            pl.hit(f"f{i}")
+    for i in range(300):
+        pl.store(f"scan{i}", 1)
+    kept = sum(pl.where(f"f{i}") is not None for i in range(100))
+    assert kept >= 90  # a scan does not flush a frequently used working set
+
+
+def test_belady_is_optimal_on_a_small_sequence() -> None:
+    seq = list("abcadbeacbda")
+    pl = single("belady", 2, future=seq)
+    hits = 0
+    for k in seq:
+        if pl.where(k) is not None:
+            hits += 1
+            pl.hit(k)
+        else:
+            pl.store(k, 1)
+    # brute force: the best any 2-slot cache with bypass can do on this sequence
+    assert hits == _opt_hits(seq, 2)
+    for name in ONLINE_POLICIES:
+        pl = single(name, 2)
+        other = 0
+        for k in seq:
+            if pl.where(k) is not None:
+                other += 1
+                pl.hit(k)
+            else:
+                pl.store(k, 1)
+        assert other <= hits
+
+
+def _opt_hits(seq: list[str], cap: int) -> int:
+
+    @functools.cache
+    def best(i: int, cache: frozenset[str]) -> int:
+        if i == len(seq):
+            return 0
+        k = seq[i]
+        if k in cache:
+            return 1 + best(i + 1, cache)
+        options = [best(i + 1, cache)]  # bypass
+        if len(cache) < cap:
+            options.append(best(i + 1, cache | {k}))
+        else:
+            options += [best(i + 1, (cache - {v}) | {k}) for v in cache]
+        return max(options)
+
+    return best(0, frozenset())
+
+
+def test_belady_refuses_a_sequence_it_was_not_given() -> None:
+    pl = single("belady", 2, future=["a", "b"])
+    with pytest.raises(RuntimeError, match="differ"):
+        pl.store("z", 1)
+
+
+def test_chain_policy_evicts_tails_before_heads() -> None:
+    pl = single("chain", 6)
+    chain = ["h", "c1", "c2", "c3"]
+    for i, k in enumerate(chain):
+        pl.store(k, 1, ChunkMeta(depth=i, parent=chain[i - 1] if i else None))
+    for i, k in enumerate(["x1", "x2"]):
+        pl.store(k, 1, ChunkMeta(depth=i, parent="x1" if i else None))
+    # the cache is full: two more writes must take tails, never a chunk with a child
+    pl.store("y", 1)
+    pl.store("z", 1)
+    held = set(pl.tiers[0].resident)
+    for k in held:
+        parent = pl.meta.get(k, ChunkMeta()).parent
+        assert parent is None or parent in held, f"{k} kept without its parent {parent}"
+    assert "h" in held
+
+
+def test_chain_policy_learns_that_prompt_tails_are_not_reused() -> None:
+    pol = make_policy("chain", 10_000)
+    pl = Placement([TierState(10_000, pol)])
+    # prompts extend each other; each one's last chunk is a partial block never reused
+    for conv in range(200):
+        chain = []
+        for turn in range(3):
+            body = [f"c{conv}-{i}" for i in range(4 * (turn + 1))]
+            keys = [*body, f"c{conv}-t{turn}"]
+            n = pl.prefix(keys)
+            for k in keys[:n]:
+                pl.hit(k)
+            for i in range(n, len(keys)):
+                pl.store(keys[i], 1, ChunkMeta(i, keys[i - 1] if i else None, tail=i == len(keys) - 1))
+            chain = keys
+    assert chain
+    depth = 4  # the tails of the second turns
+    tail_p = pol.reuse_probability(_class(0, True, depth))  # type: ignore[attr-defined]
+    body_p = pol.reuse_probability(_class(0, False, depth))  # type: ignore[attr-defined]
+    assert tail_p < 0.1 < body_p
+
+
+def test_chain_policy_follows_the_expert_whose_shadow_hits_more() -> None:
+    # a small cache and a stream of one-off chunks around a reused working set: keeping
+    # newcomers out (gated recency) beats spreading the cache over them
+    pol = make_policy("chain", 50)
+    pl = Placement([TierState(50, pol)])
+    rng = random.Random(1)
+    for step in range(20_000):
+        key = f"hot{rng.randrange(40)}" if step % 3 == 0 else f"once{step}"
+        if pl.where(key) is not None:
+            pl.hit(key)
+        else:
+            pl.store(key, 1)
+    assert pol.alphas[pol.expert] == 0.0  # type: ignore[attr-defined]
+    held = sum(pl.where(f"hot{i}") is not None for i in range(40))
+    assert held >= 30
+
+
+@pytest.mark.parametrize("kind", ["mem", "file"])
+@pytest.mark.parametrize("policy", ONLINE_POLICIES)
+async def test_any_policy_drives_the_byte_bounded_backends(policy: str, kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    evictor = PolicyEvictor(make_policy(policy, 300))
+    if kind == "mem":
+        backend = MemoryBackend("mem://", capacity=300, evictor=evictor)
+    else:
+        backend = DiskBackend(tmp_path, capacity=300, fsync=False, evictor=evictor)
+    for i in range(20):
+        assert await backend.put_many([(f"t/o{i}", bytes(100))]) == [True]
+        assert backend.stats().bytes <= 300
+        await backend.get_many([f"t/o{i}"])
+    assert backend.stats().objects == 3
+    assert len(evictor) == 3
+    await backend.close()
+
+
+def test_registry_names_every_policy_and_rejects_unknown_names() -> None:
+    assert set(POLICIES) == {"chain", "lru", "lfu", "arc", "wtinylfu", "belady"}
+    assert "belady" not in ONLINE_POLICIES
+    with pytest.raises(ValueError, match="choose one of"):
+        make_policy("fifo", 10)
+    assert isinstance(make_policy("lru", 10), LRUPolicy)

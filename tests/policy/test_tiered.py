@@ -1,0 +1,220 @@
+"""TieredStore on real memory and disk tiers: bytes, placement, in-flight rules, tenants, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kvstore.backends.memory import MemoryBackend
+from kvstore.namespaces import NamespaceRule
+from kvstore.tier import Tier
+from kvstore.tiered import TieredStore, TierSpec
+from tests.support.stores import FakeClock, GatedMemoryBackend
+
+N = 64  # float32 elements per chunk
+
+
+def name(i: int, ns: str = "t") -> str:
+    return f"{ns}/m/raw-1-0/{i:06d}"
+
+
+def chunk(i: int) -> torch.Tensor:
+    return torch.arange(N, dtype=torch.float32) + i
+
+
+async def frame_size() -> int:
+    store = TieredStore.from_urls(["mem://"])
+    await store.put_many([(name(0), chunk(0))])
+    size = store.placement.tiers[0].used
+    await store.close()
+    return size
+
+
+async def backend_names(tier: Tier) -> set[str]:
+    return {info.name async for info in tier.backend.list("")}
+
+
+async def test_round_trip_prefix_lookup_contains_and_delete() -> None:
+    async with TieredStore.from_urls(["mem://", "mem://"]) as store:
+        ok = await store.put_many([(name(i), chunk(i)) for i in range(5)], chained=True)
+        assert ok == [True] * 5
+        got = await store.get_many([name(i) for i in range(6)])
+        for i in range(5):
+            assert torch.equal(got[i], chunk(i))
+        assert got[5] is None
+        out = [torch.empty(N) for _ in range(2)]
+        got = await store.get_many([name(1), name(2)], out=out)
+        assert got[0].data_ptr() == out[0].data_ptr() and torch.equal(out[1], chunk(2))
+        assert await store.prefix_lookup([name(0), name(1), name(9), name(2)]) == 2
+        assert await store.contains_many([name(4), name(9)]) == [True, False]
+        assert await store.delete_many([name(4), name(9)]) == [True, False]
+        assert await store.contains_many([name(4)]) == [False]
+        assert await backend_names(store.tiers[0]) == {name(i) for i in range(4)}
+
+
+async def test_victims_are_demoted_and_read_back_then_promoted_on_hit() -> None:
+    size = await frame_size()
+    async with TieredStore.from_urls(
+        [f"mem://?capacity={3 * size}", f"mem://?capacity={100 * size}"]
+    ) as store:
+        await store.put_many([(name(i), chunk(i)) for i in range(8)])
+        await store.drain()
+        hot, warm = store.placement.tiers
+        assert hot.used <= 3 * size and len(hot.resident) == 3
+        assert len(warm.resident) == 5
+        assert await backend_names(store.tiers[0]) == set(hot.resident)
+        assert await backend_names(store.tiers[1]) == set(warm.resident)
+        cold = sorted(warm.resident)[0]
+        (t,) = await store.get_many([cold])
+        assert torch.equal(t, chunk(int(cold[-6:])))
+        await store.drain()
+        assert cold in hot.resident and cold in warm.resident  # promoted, lower copy kept
+        assert await backend_names(store.tiers[0]) == set(hot.resident)
+        text = store.metrics.text()
+        assert 'kvstore_moves_total{kind="demote",tier="tier1"}' in text
+        assert 'kvstore_moves_total{kind="promote",tier="tier0"}' in text
+
+
+async def test_a_demotion_in_flight_is_still_readable_from_its_old_tier() -> None:
+    size = await frame_size()
+    warm = GatedMemoryBackend()
+    store = TieredStore(
+        [
+            TierSpec(Tier(MemoryBackend("mem://")), capacity=2 * size, policy="lru"),
+            TierSpec(Tier(warm), capacity=50 * size, policy="lru"),
+        ]
+    )
+    await store.put_many([(name(i), chunk(i)) for i in range(2)])
+    warm.gate.clear()
+    await store.put_many([(name(2), chunk(2))])  # evicts name(0) into the (blocked) warm tier
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert store.placement.where(name(0)) == 1 and warm.waiting == 1
+    (t,) = await store.get_many([name(0)])  # read from the hot tier, where its bytes still are
+    assert torch.equal(t, chunk(0))
+    assert warm.counters.gets == 0
+    warm.gate.set()
+    await store.drain()
+    for tier, state in zip(store.tiers, store.placement.tiers):
+        assert await backend_names(tier) == set(state.resident)
+    got = await store.get_many([name(i) for i in range(3)])
+    assert all(torch.equal(g, chunk(i)) for i, g in enumerate(got))
+    await store.close()
+
+
+async def test_a_write_is_invisible_until_it_lands_and_is_not_evicted_meanwhile() -> None:
+    size = await frame_size()
+    gated = GatedMemoryBackend()
+    store = TieredStore([TierSpec(Tier(gated), capacity=2 * size, policy="lru")])
+    await store.put_many([(name(0), chunk(0))])
+    gated.gate.clear()
+    writing = asyncio.ensure_future(store.put_many([(name(1), chunk(1))]))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert gated.waiting == 1
+    assert await store.contains_many([name(1)]) == [False]
+    assert await store.prefix_lookup([name(0), name(1)]) == 1
+    assert await store.get_many([name(1)]) == [None]
+    gated.gate.set()
+    assert await writing == [True]
+    assert await store.contains_many([name(1)]) == [True]
+    await store.close()
+
+
+async def test_pinned_chunks_survive_pressure_until_unpinned_or_expired() -> None:
+    size = await frame_size()
+    clock = FakeClock()
+    store = TieredStore(
+        [TierSpec(Tier(MemoryBackend("mem://")), capacity=3 * size, policy="lru")], clock=clock
+    )
+    await store.put_many([(name(0), chunk(0))])
+    store.pin([name(0)], ttl=10)
+    for i in range(1, 10):
+        await store.put_many([(name(i), chunk(i))])
+    assert await store.contains_many([name(0)]) == [True]
+    assert store.stats().pinned == 1
+    clock.advance(11)  # the pin has expired
+    for i in range(10, 13):
+        await store.put_many([(name(i), chunk(i))])
+    assert await store.contains_many([name(0)]) == [False]
+    await store.put_many([(name(0), chunk(0))])
+    store.pin([name(0)])
+    store.unpin([name(0)])
+    for i in range(13, 16):
+        await store.put_many([(name(i), chunk(i))])
+    assert await store.contains_many([name(0)]) == [False]
+    await store.close()
+
+
+async def test_namespace_quota_drops_the_tenants_oldest_and_ttl_expires() -> None:
+    size = await frame_size()
+    clock = FakeClock()
+    store = TieredStore.from_urls(
+        ["mem://"],
+        namespaces={"a": NamespaceRule(quota=3 * size), "b": NamespaceRule(ttl=60)},
+        clock=clock,
+    )
+    await store.put_many([(name(i, "b"), chunk(i)) for i in range(2)])
+    await store.put_many([(name(i, "a"), chunk(i)) for i in range(5)])
+    assert await store.contains_many([name(i, "a") for i in range(5)]) == [False, False, True, True, True]
+    assert store.stats().namespaces["a"] == {"bytes": 3 * size, "objects": 3}
+    clock.advance(30)
+    assert await store.contains_many([name(0, "b")]) == [True]
+    clock.advance(31)
+    assert await store.get_many([name(0, "b")]) == [None]
+    assert store.stats().namespaces["b"]["objects"] == 0
+    assert await backend_names(store.tiers[0]) == {name(i, "a") for i in (2, 3, 4)}
+    text = store.metrics.text()
+    assert 'kvstore_quota_evictions_total{namespace="a"} 2.0' in text
+    assert 'kvstore_expired_total{namespace="b"} 2.0' in text
+    await store.close()
+
+
+async def test_a_corrupt_chunk_is_a_counted_quarantined_miss() -> None:
+    backend = MemoryBackend("mem://")
+    store = TieredStore([TierSpec(Tier(backend))])
+    await store.put_many([(name(0), chunk(0))])
+    data, mtime = backend._space.objects[name(0)]
+    backend._space.objects[name(0)] = (data[:-1] + bytes([data[-1] ^ 0xFF]), mtime)  # flip a payload byte
+    assert await store.get_many([name(0)]) == [None]
+    assert await store.contains_many([name(0)]) == [False]
+    text = store.metrics.text()
+    assert 'kvstore_quarantines_total{tier="tier0"} 1.0' in text
+    assert 'kvstore_misses_total{namespace="t"} 1.0' in text
+    await store.close()
+
+
+async def test_metrics_are_per_store_and_per_tier_and_namespace() -> None:
+    a = TieredStore.from_urls(["mem://"])
+    b = TieredStore.from_urls(["mem://"])
+    await a.put_many([(name(0, "x"), chunk(0))])
+    await a.get_many([name(0, "x"), name(1, "x")])
+    text = a.metrics.text()
+    assert 'kvstore_hits_total{namespace="x",tier="tier0"} 1.0' in text
+    assert 'kvstore_misses_total{namespace="x"} 1.0' in text
+    assert 'kvstore_op_seconds_count{op="get",tier="tier0"} 1.0' in text
+    assert "kvstore_bytes_in_total" in text and "kvstore_tier_bytes" in text
+    assert 'namespace="x"' not in b.metrics.text()
+    await a.close()
+    await b.close()
+
+
+def test_from_urls_takes_store_options_out_of_the_url(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    store = TieredStore.from_urls(
+        [
+            "mem://?capacity=1MiB&policy=lru&high=0.9&low=0.7",
+            f"file://{tmp_path}?capacity=10MiB&write=through&fsync=false",
+        ]
+    )
+    hot, warm = store.placement.tiers
+    assert (hot.capacity, hot.policy.name, hot.high, hot.low) == (1 << 20, "lru", 0.9, 0.7)
+    assert (warm.capacity, warm.policy.name, warm.write) == (10 << 20, "chain", "through")
+    assert store.tiers[1].backend.capacity is None  # the store enforces the budget, not the backend
+    with pytest.raises(ValueError, match="write=back or write=through"):
+        TieredStore.from_urls(["mem://?write=sideways"])
+    with pytest.raises(ValueError, match="choose one of"):
+        TieredStore.from_urls(["mem://?policy=fifo"])
+    with pytest.raises(ValueError, match="belady"):
+        TieredStore.from_urls(["mem://?policy=belady"])
