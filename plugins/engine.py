@@ -8,7 +8,9 @@ scheduler would otherwise provide.  Must not touch: storage, the model.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,6 +75,19 @@ class CPUEngine:
                 return 0, 0
             mask = self.engine.retrieve(tokens, kvcaches=kvcaches, req_id=req_id)
         return hit, int(mask.sum())
+
+    def wait_for_writes(self, timeout: float = 30.0) -> bool:
+        """Block until stores handed to LMCache's backends and to kvstore have ended."""
+        deadline = time.monotonic() + timeout
+        for backend in self.storage_backends().values():
+            while getattr(backend, "put_tasks", None) and time.monotonic() < deadline:
+                time.sleep(0.002)  # LMCache's remote backend: writes not yet handed over
+        # a remote connector's batched puts are queued on LMCache's loop: once a no-op
+        # queued after them has run, each has handed its write to kvstore
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.engine.storage_manager.loop).result(timeout)
+        kv = self.kvstore_backend()
+        left = max(0.0, deadline - time.monotonic())
+        return kv.wait_for_writes(left) if kv is not None else True
 
     def storage_backends(self) -> dict[str, Any]:
         return dict(self.engine.storage_manager.storage_backends)
