@@ -74,3 +74,15 @@ def kvstore_home() -> Path:
         home = Path(base) / "kvstore"
     home.mkdir(parents=True, exist_ok=True)
     return home
+
+
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(s|m|h|d|w)?\s*$")
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"7d"`` → 604800.0; units s, m, h, d, w (seconds when omitted)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"cannot read duration {text!r}; write e.g. 90s, 30m, 12h or 7d")
+    return float(m.group(1)) * _SECONDS[m.group(2) or "s"]

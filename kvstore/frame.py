@@ -14,8 +14,8 @@ Layout (little endian)::
           16   N    msgpack header (a map; see `FrameHeader`)
           16+N      payload (header["plen"] bytes, checksum header["csum"])
 
-The payload checksum is XXH3-64 (see docs/benchmarks.md: ~10x the speed of zlib.crc32
-here, so verifying a 32 MiB read costs a few percent).  The header carries its own
+The payload checksum is XXH3-64 (22 GiB/s here vs 2 GiB/s for zlib.crc32, see
+docs/benchmarks/core.md), so verifying a 32 MiB read costs ~1.5 ms.  The header carries its own
 crc32, so a flipped bit in the header is caught before any of its fields is trusted.
 
 `encode_frame` returns the prefix+header separately from the payload, so a writer can
@@ -69,7 +69,12 @@ class ChecksumMismatchError(FrameError):
 
 
 def checksum(parts: Sequence[memoryview | bytes | bytearray]) -> int:
-    """XXH3-64 over the concatenation of `parts`, without concatenating them."""
+    """XXH3-64 over the concatenation of `parts`, without concatenating them.
+
+    One part uses the one-shot function (22 GiB/s here, ~3x the streaming object).
+    """
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
     h = xxhash.xxh3_64()
     for p in parts:
         h.update(p)

@@ -11,7 +11,7 @@ Every component is escaped so that
 * ``<namespace>/`` and ``<namespace>/<model>/`` are exact listing prefixes: one tenant's
   prefix can never be a prefix of another's (``/`` inside a component is escaped);
 * long components are shortened with a digest, so a name stays well under file-system
-  limits (255 bytes per path component, see `MAX_NAME_LEN`).
+  limits (see `MAX_NAME_LEN`; the disk tier digests longer file names).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "default"
-MAX_COMPONENT_LEN = 80
-MAX_NAME_LEN = 240
+MAX_COMPONENT_LEN = 64
+MAX_NAME_LEN = 320
 
 _SAFE = re.compile(r"[A-Za-z0-9_\-]")
 _HEX_HASH = re.compile(r"^-?[0-9a-f]+$|^h[0-9a-f]+$")

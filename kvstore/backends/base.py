@@ -16,6 +16,10 @@ Primitives (all batched; one call moves many objects):
 * ``contains_many(names) -> [bool]``, ``delete_many(names) -> [bool]`` (True = existed).
 * ``list(prefix) -> AsyncIterator[ObjectInfo]`` with sizes.
 * ``quarantine(name, reason)`` takes a corrupt object out of service (default: delete).
+* ``read_heads(names, nbytes)`` the first `nbytes` of each object (frame headers for
+  listing tools); the default reads whole objects, backends override with ranged reads.
+* ``check()`` raises `BackendUnavailableError` saying what to fix when the backend
+  cannot be used at all (server unreachable, bucket missing, bad credentials).
 * ``stats() -> BackendStats``, ``close()``.
 
 Faults (server down, disk full, permission denied) are counted in `stats()` and turned
@@ -32,6 +36,10 @@ from typing import Any, ClassVar, Union
 Buffer = Union[bytes, bytearray, memoryview]
 Value = Union[Buffer, Sequence[Buffer]]
 Alloc = Callable[[int], memoryview]
+
+
+class BackendUnavailableError(RuntimeError):
+    """The backend cannot be used at all; the message says what to fix."""
 
 
 def as_parts(value: Value) -> list[memoryview]:
@@ -131,6 +139,13 @@ class Backend(abc.ABC):
         """Take a corrupt object out of service.  Backends with a side area override."""
         await self.delete_many([name])
         self.counters.quarantined += 1
+
+    async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
+        """The first `nbytes` of each object (None = missing)."""
+        return [None if v is None else v[:nbytes] for v in await self.get_many(names)]
+
+    async def check(self) -> None:  # noqa: B027 - optional hook
+        """Raise `BackendUnavailableError` if the backend cannot be used; no-op by default."""
 
     def stats(self) -> BackendStats:
         return BackendStats(url=redact_url(self.url), counters=self.counters)

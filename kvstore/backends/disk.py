@@ -1,0 +1,441 @@
+"""Local-disk warm tier: ``file:///path?capacity=100GiB&fsync=true``.
+
+Owns: the on-disk layout under one root directory, the in-memory index of what is
+there (rebuilt by a scan at open), byte-budget eviction through an `Evictor` (LRU by
+default), crash-safe writes and the quarantine folder.  Must not touch: frame parsing
+(the tier above validates objects and calls `quarantine`), tensors.
+
+Layout::
+
+    ROOT/objects/<2 hex>/<escaped name>   one file per object, shard = digest of name
+    ROOT/objects/<2 hex>/.<pid>-<n>.tmp   a write in progress; removed at open
+    ROOT/quarantine/                      objects the tier found corrupt, with .reason
+
+* A write goes to a temp file beside its target (preallocated, one ``writev`` of
+  header and payload), is fsync'ed (``fsync=false`` to skip), then renamed over its
+  real name, so a crash never leaves a torn object under a real name, and two
+  concurrent writers of one name each publish a whole object (the last rename wins).
+  Same-directory temp files with ``fallocate`` measured ~20% faster than a separate
+  temp folder (docs/benchmarks/core.md).
+* Reads land in the caller's buffer (`alloc`) with ``preadv``, never a fresh
+  ``bytes``.  A file written by another process after the index was built is still
+  found (a miss in the index falls back to the file system).
+* Blocking calls run in aiofiles' executor: one hop per write, two per read.
+* ENOSPC, EACCES and files vanishing underneath are counted errors / misses.
+
+File names are the object name percent-escaped (``/`` → ``%2F``, ``.`` → ``%2E``), so
+they are reversible and never start with ``.``; the index is rebuilt from a directory
+scan.  A name whose escaped form is too long for a file name is stored as ``~`` +
+digest with a ``.name`` side file holding the name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from urllib.parse import quote, unquote, urlsplit
+
+import aiofiles.os
+
+from kvstore.backends.base import (
+    Alloc,
+    Backend,
+    BackendStats,
+    ObjectInfo,
+    Value,
+    as_parts,
+    bytearray_alloc,
+    parts_len,
+    redact_url,
+)
+from kvstore.config import parse_bool, parse_size, url_options
+from kvstore.eviction import Evictor, LRUEvictor
+from kvstore.keys import InvalidKeyError, check_object_name
+
+log = logging.getLogger(__name__)
+
+MAX_FILENAME = 250
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_ids = itertools.count()
+
+
+def encode_filename(name: str) -> str:
+    enc = quote(name, safe="-_").replace(".", "%2E")
+    if len(enc) <= MAX_FILENAME:
+        return enc
+    return "~" + hashlib.blake2b(name.encode(), digest_size=20).hexdigest()
+
+
+def shard_of(name: str) -> str:
+    return hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
+
+
+@aiofiles.os.wrap
+def _write_object(path: Path, name: str, parts: list[memoryview], size: int, fsync: bool) -> None:
+    """Publish one object atomically: temp file beside it, fallocate, writev, fsync, rename."""
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.parent / f".{os.getpid()}-{next(_ids)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    try:
+        if size:
+            try:
+                os.posix_fallocate(fd, 0, size)  # ENOSPC here, before any byte is written
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+        pending = [p for p in parts if p.nbytes]
+        while pending:
+            n = os.writev(fd, pending[:IOV_MAX])
+            while n:
+                if n >= pending[0].nbytes:
+                    n -= pending.pop(0).nbytes
+                else:
+                    pending[0] = pending[0][n:]
+                    n = 0
+        if fsync:
+            os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        if path.name.startswith("~"):
+            Path(f"{path}.name").write_text(name, "utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+@aiofiles.os.wrap
+def _open_read(path: Path) -> tuple[int, int]:
+    fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    try:
+        return fd, os.fstat(fd).st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+@aiofiles.os.wrap
+def _read_all(fd: int, buf: memoryview) -> int:
+    try:
+        got = 0
+        while got < len(buf):
+            n = os.preadv(fd, [buf[got:]], got)
+            if not n:
+                break
+            got += n
+        return got
+    finally:
+        os.close(fd)
+
+
+class DiskBackend(Backend):
+    schemes = ("file",)
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        capacity: int | None = None,
+        fsync: bool = True,
+        concurrency: int = 4,
+        evictor: Evictor | None = None,
+        url: str | None = None,
+    ) -> None:
+        super().__init__(url or Path(root).absolute().as_uri())
+        self.root = Path(root)
+        self.objects_dir = self.root / "objects"
+        self.quarantine_dir = self.root / "quarantine"
+        for d in (self.objects_dir, self.quarantine_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.evictor: Evictor = evictor or LRUEvictor()
+        self._sizes: dict[str, int] = {}
+        self._used = 0
+        self._pending = 0  # bytes of writes in progress, reserved against the budget
+        self._reading: dict[str, int] = {}
+        self._sem = asyncio.Semaphore(concurrency)
+        self._write_done = asyncio.Condition()
+        self._scan()
+
+    @classmethod
+    def from_url(cls, url: str) -> DiskBackend:
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(
+                f"{url!r}: file URLs name a local path: file:///abs/path or file://localhost/abs/path"
+            )
+        if not parts.path:
+            raise ValueError(f"{url!r} has no path; write file:///var/cache/kvstore")
+        opts = url_options(url, {"capacity", "fsync", "concurrency"})
+        return cls(
+            unquote(parts.path),
+            capacity=parse_size(opts.get("capacity")),
+            fsync=parse_bool(opts.get("fsync"), True),
+            concurrency=int(opts.get("concurrency", 4)),
+            url=url,
+        )
+
+    # ---- index --------------------------------------------------------------
+    def _entries(self, *, clean: bool = False) -> list[tuple[str, os.stat_result]]:
+        """(name, stat) of every stored object; with `clean`, remove unfinished writes."""
+        out = []
+        for shard in os.scandir(self.objects_dir):
+            if not shard.is_dir():
+                continue
+            for entry in os.scandir(shard.path):
+                if entry.name.startswith("."):  # a write in progress, or one a crash cut short
+                    if clean:
+                        try:
+                            os.unlink(entry.path)
+                        except OSError:
+                            pass
+                    continue
+                if entry.name.endswith(".name"):
+                    continue
+                name = self._name_of(entry)
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                if name is not None:
+                    out.append((name, st))
+        return out
+
+    def _scan(self) -> None:
+        found = self._entries(clean=True)
+        for name, st in sorted(found, key=lambda e: e[1].st_mtime):  # oldest first: LRU survives restarts
+            self._index_add(name, st.st_size)
+
+    @staticmethod
+    def _name_of(entry: os.DirEntry[str]) -> str | None:
+        if entry.name.startswith("~"):
+            try:
+                return Path(entry.path + ".name").read_text("utf-8")
+            except OSError:
+                return None
+        return unquote(entry.name)
+
+    def _index_add(self, name: str, size: int) -> None:
+        old = self._sizes.get(name)
+        if old is not None:
+            self._used -= old
+        self._sizes[name] = size
+        self._used += size
+        self.evictor.insert(name, size)
+
+    def _index_drop(self, name: str) -> int | None:
+        size = self._sizes.pop(name, None)
+        if size is not None:
+            self._used -= size
+            self.evictor.remove(name)
+        return size
+
+    def path_of(self, name: str) -> Path:
+        return self.objects_dir / shard_of(name) / encode_filename(name)
+
+    # ---- put ----------------------------------------------------------------
+    async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
+        return list(await asyncio.gather(*(self._put_one(n, v) for n, v in items)))
+
+    async def _put_one(self, name: str, value: Value) -> bool:
+        try:
+            check_object_name(name)
+        except InvalidKeyError as exc:
+            log.warning("kvstore disk: refusing object name: %s", exc)
+            self.counters.put_errors += 1
+            return False
+        parts = as_parts(value)
+        size = parts_len(parts)
+        if self.capacity is not None and size > self.capacity:
+            self.counters.rejected += 1
+            return False
+        async with self._sem:
+            if not await self._make_room(name, size):
+                self.counters.rejected += 1
+                return False
+            self._pending += size
+            try:
+                await _write_object(self.path_of(name), name, parts, size, self.fsync)
+            except OSError as exc:
+                self.counters.put_errors += 1
+                fatal = exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS)
+                log.log(
+                    logging.ERROR if fatal else logging.WARNING,
+                    "kvstore disk: write of %s failed: %s",
+                    name,
+                    exc,
+                )
+                return False
+            finally:
+                self._pending -= size
+                async with self._write_done:
+                    self._write_done.notify_all()
+        self._index_add(name, size)
+        self.counters.puts += 1
+        self.counters.put_bytes += size
+        return True
+
+    async def _make_room(self, name: str, size: int) -> bool:
+        """Evict until `size` more bytes fit; False if they cannot (the budget is never exceeded)."""
+        if self.capacity is None:
+            return True
+        while self._used + self._pending - self._sizes.get(name, 0) + size > self.capacity:
+            victim = self.evictor.victim(protected={name, *self._reading})
+            if victim is None:
+                if not self._pending:
+                    return False
+                async with self._write_done:  # writes in flight become evictable when done
+                    await self._write_done.wait()
+                continue
+            await self._remove(victim)
+            self.counters.evictions += 1
+        return True
+
+    async def _remove(self, name: str) -> bool:
+        existed = self._index_drop(name) is not None
+        path = self.path_of(name)
+        try:
+            await aiofiles.os.remove(path)
+            existed = True
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("kvstore disk: could not remove %s: %s", name, exc)
+        if path.name.startswith("~"):
+            try:
+                await aiofiles.os.remove(f"{path}.name")
+            except OSError:
+                pass
+        return existed
+
+    # ---- get ----------------------------------------------------------------
+    async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:
+        return list(await asyncio.gather(*(self._get_one(n, alloc or bytearray_alloc) for n in names)))
+
+    async def _get_one(self, name: str, alloc: Alloc) -> memoryview | None:
+        self.counters.gets += 1
+        try:
+            check_object_name(name)
+        except InvalidKeyError:
+            self.counters.misses += 1
+            return None
+        self._reading[name] = self._reading.get(name, 0) + 1
+        try:
+            async with self._sem:
+                fd, size = await _open_read(self.path_of(name))
+                try:
+                    buf = alloc(size)[:size]
+                except BaseException:
+                    os.close(fd)
+                    raise
+                got = await _read_all(fd, buf)  # closes fd
+        except FileNotFoundError:
+            self._index_drop(name)
+            self.counters.misses += 1
+            return None
+        except OSError as exc:
+            log.warning("kvstore disk: read of %s failed: %s", name, exc)
+            self.counters.get_errors += 1
+            self.counters.misses += 1
+            return None
+        finally:
+            left = self._reading[name] - 1
+            if left:
+                self._reading[name] = left
+            else:
+                del self._reading[name]
+        if name not in self._sizes:
+            self._index_add(name, size)  # written by another process since our scan
+        self.evictor.touch(name)
+        self.counters.hits += 1
+        self.counters.get_bytes += got
+        return buf[:got]
+
+    async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
+        return list(await asyncio.gather(*(self._head(n, nbytes) for n in names)))
+
+    async def _head(self, name: str, nbytes: int) -> memoryview | None:
+        try:
+            check_object_name(name)
+            fd, size = await _open_read(self.path_of(name))
+        except (InvalidKeyError, OSError):
+            return None
+        buf = memoryview(bytearray(min(size, nbytes)))
+        try:
+            got = await _read_all(fd, buf)  # closes fd
+        except OSError:
+            return None
+        return buf[:got]
+
+    # ---- the rest -----------------------------------------------------------
+    async def contains_many(self, names: Sequence[str]) -> list[bool]:
+        out = []
+        for name in names:
+            if name in self._sizes:
+                out.append(True)
+                continue
+            try:
+                check_object_name(name)
+                st = await aiofiles.os.stat(self.path_of(name))
+            except (InvalidKeyError, OSError):
+                out.append(False)
+                continue
+            self._index_add(name, st.st_size)
+            out.append(True)
+        return out
+
+    async def delete_many(self, names: Sequence[str]) -> list[bool]:
+        out = []
+        for name in names:
+            try:
+                check_object_name(name)
+            except InvalidKeyError:
+                out.append(False)
+                continue
+            out.append(await self._remove(name))
+        self.counters.deletes += sum(out)
+        return out
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        entries = await asyncio.to_thread(self._entries)
+        for name, st in sorted(entries, key=lambda e: e[0]):
+            if name.startswith(prefix):
+                yield ObjectInfo(name, st.st_size, st.st_mtime)
+
+    async def quarantine(self, name: str, reason: str) -> None:
+        self._index_drop(name)
+        src = self.path_of(name)
+        dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{src.name}"
+        try:
+            await aiofiles.os.replace(src, dst)
+            await asyncio.to_thread(Path(f"{dst}.reason").write_text, f"{name}\n{reason}\n", "utf-8")
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.warning("kvstore disk: could not quarantine %s: %s", name, exc)
+            return
+        self.counters.quarantined += 1
+
+    def stats(self) -> BackendStats:
+        return BackendStats(
+            url=redact_url(self.url),
+            objects=len(self._sizes),
+            bytes=self._used,
+            capacity_bytes=self.capacity,
+            counters=self.counters,
+            extra={"root": str(self.root), "fsync": self.fsync},
+        )

@@ -1,0 +1,277 @@
+"""`kvstore migrate | ls | stat | verify | gc`: operate on whole stores by URL.
+
+Exit codes: 0 done; 1 done with failures (objects not copied, corrupt frames found);
+2 bad input (URL, option); 3 a backend cannot be reached or used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import click
+
+from kvstore.backends import Backend, open_backend
+from kvstore.backends.base import BackendUnavailableError
+from kvstore.config import parse_duration, parse_size
+
+T = TypeVar("T")
+EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+
+
+def _open(url: str, what: str) -> Backend:
+    try:
+        return open_backend(url)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=what) from exc
+
+
+def _run(main: Callable[..., Awaitable[T]], *urls: tuple[str, str]) -> T:
+    """Open the backends, check them, run `main(*backends)`, close them; map errors to exits."""
+
+    async def go() -> T:
+        backends = [_open(url, what) for url, what in urls]
+        try:
+            for b in backends:
+                await b.check()
+            return await main(*backends)
+        finally:
+            for b in backends:
+                await b.close()
+
+    try:
+        return asyncio.run(go())
+    except BackendUnavailableError as exc:
+        click.echo(f"Error: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+
+
+def _bar(total: int, desc: str, quiet: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=desc,
+        file=sys.stderr,
+        disable=quiet or not sys.stderr.isatty(),
+    )
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@click.command()
+@click.argument("src_url")
+@click.argument("dst_url")
+@click.option("--namespace", help="Only this namespace (tenant).")
+@click.option("--model", help="Only this model.")
+@click.option("--prefix", default="", help="Only object names starting with this.")
+@click.option("--recode", type=click.Choice(["raw", "cachegen"]), help="Re-encode payloads on the way.")
+@click.option("--delete-source", is_flag=True, help="Delete each source object after its verified write.")
+@click.option("--dry-run", is_flag=True, help="Say what would be copied; write nothing.")
+@click.option("--concurrency", default=4, show_default=True)
+@click.option("--max-inflight", default="512MiB", show_default=True, help="Bytes held in memory at most.")
+@click.option("--no-verify-after-write", is_flag=True, help="Skip reading each object back.")
+@click.option("--fresh", is_flag=True, help="Forget what an earlier run of the same migration finished.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
+def migrate(
+    src_url: str,
+    dst_url: str,
+    namespace: str | None,
+    model: str | None,
+    prefix: str,
+    recode: str | None,
+    delete_source: bool,
+    dry_run: bool,
+    concurrency: int,
+    max_inflight: str,
+    no_verify_after_write: bool,
+    fresh: bool,
+    as_json: bool,
+) -> None:
+    """Copy every object from SRC_URL to DST_URL, verified, resumable and idempotent.
+
+    A rerun after a kill finishes the job without copying again what is done.
+    """
+    from kvstore.ops.migrate import MigrateOptions, list_matching
+    from kvstore.ops.migrate import migrate as run_migration
+
+    opts = MigrateOptions(
+        prefix=prefix,
+        namespace=namespace,
+        model=model,
+        recode=recode,
+        delete_source=delete_source,
+        dry_run=dry_run,
+        concurrency=concurrency,
+        max_inflight_bytes=parse_size(max_inflight) or 512 << 20,
+        verify_after_write=not no_verify_after_write,
+        fresh=fresh,
+    )
+
+    async def main(src: Backend, dst: Backend) -> Any:
+        objects = await list_matching(src, opts)
+        with _bar(sum(o.size for o in objects), "migrate", as_json) as bar:
+            done = [0]
+
+            def tick(n: int, nbytes: int) -> None:
+                done[0] += n
+                bar.set_postfix_str(f"{done[0]}/{len(objects)} objects", refresh=False)
+                bar.update(nbytes)
+
+            return await run_migration(src, dst, opts, progress=tick, objects=objects)
+
+    report = _run(main, (src_url, "SRC_URL"), (dst_url, "DST_URL"))
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        verb = "would copy" if dry_run else "copied"
+        click.echo(
+            f"{verb} {report.copied} of {report.listed} objects ({_human(report.copied_bytes)}) "
+            f"in {report.seconds:.1f}s, {report.mib_s:.0f} MiB/s; already done {report.already_done}; "
+            f"written {_human(report.written_bytes)}; deleted from source {report.deleted}"
+        )
+        for name in report.corrupt:
+            click.echo(f"corrupt in source, skipped: {name}", err=True)
+        for name in report.failed:
+            click.echo(f"failed: {name}", err=True)
+    if report.failed or report.corrupt:
+        sys.exit(EXIT_FAILURES)
+
+
+@click.command(name="ls")
+@click.argument("url")
+@click.argument("prefix", default="")
+@click.option("--namespace", help="Only this namespace.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+def ls(url: str, prefix: str, namespace: str | None, as_json: bool) -> None:
+    """List objects under PREFIX with their sizes and ages."""
+    from kvstore.ops.inspect import list_objects
+
+    async def main(b: Backend) -> list[Any]:
+        return await list_objects(b, prefix, namespace)
+
+    now = time.time()
+    for info in _run(main, (url, "URL")):
+        if as_json:
+            click.echo(json.dumps({"name": info.name, "size": info.size, "mtime": info.mtime}))
+        else:
+            click.echo(f"{info.size:>12}  {(now - info.mtime) / 3600:8.1f}h  {info.name}")
+
+
+@click.command()
+@click.argument("url")
+@click.option("--prefix", default="")
+@click.option("--namespace", help="Only this namespace.")
+@click.option("--json", "as_json", is_flag=True)
+def stat(url: str, prefix: str, namespace: str | None, as_json: bool) -> None:
+    """Objects and bytes by namespace, model, codec and age (reads frame headers only)."""
+    from kvstore.ops.inspect import stat_store
+
+    async def main(b: Backend) -> Any:
+        return await stat_store(b, prefix, namespace)
+
+    st = _run(main, (url, "URL"))
+    if as_json:
+        click.echo(json.dumps(st.to_dict()))
+        return
+    click.echo(f"{st.url}: {st.objects} objects, {_human(st.bytes)}")
+    for title, groups in (
+        ("namespace", st.by_namespace),
+        ("model", st.by_model),
+        ("codec", st.by_codec),
+        ("age", st.by_age),
+    ):
+        click.echo(f"  by {title}:")
+        for key, g in sorted(groups.items(), key=lambda kv: -kv[1].bytes):
+            click.echo(f"    {key:<40} {g.objects:>9} objects {_human(g.bytes):>12}")
+
+
+@click.command()
+@click.argument("url")
+@click.option("--prefix", default="")
+@click.option("--quarantine", is_flag=True, help="Move bad objects aside (disk) or delete them (others).")
+@click.option("--concurrency", default=4, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: bool) -> None:
+    """Read every object and check its frame (magic, header, length, checksum, key)."""
+    from kvstore.ops.inspect import list_objects, verify_store
+
+    async def main(b: Backend) -> Any:
+        total = sum(o.size for o in await list_objects(b, prefix))
+        with _bar(total, "verify", as_json) as bar:
+            return await verify_store(
+                b, prefix, quarantine=quarantine, concurrency=concurrency, progress=bar.update
+            )
+
+    report = _run(main, (url, "URL"))
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        click.echo(
+            f"checked {report.checked}: {report.ok} ok, {len(report.bad)} bad, {report.missing} vanished"
+        )
+        for name, why in report.bad.items():
+            click.echo(f"bad: {name}: {why}", err=True)
+        if report.quarantined:
+            click.echo(f"quarantined {report.quarantined}")
+    if report.bad:
+        sys.exit(EXIT_FAILURES)
+
+
+@click.command()
+@click.argument("url")
+@click.option("--older-than", help="Delete objects older than this (e.g. 7d, 12h).")
+@click.option("--namespace", help="Only this namespace (its own budget with --max-bytes).")
+@click.option("--prefix", default="")
+@click.option("--max-bytes", help="Then delete oldest first until at most this many bytes remain.")
+@click.option("--dry-run", is_flag=True)
+@click.option("--json", "as_json", is_flag=True)
+def gc(
+    url: str,
+    older_than: str | None,
+    namespace: str | None,
+    prefix: str,
+    max_bytes: str | None,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Delete old objects and bring a store under a byte budget, oldest first."""
+    from kvstore.ops.inspect import gc_store
+
+    if older_than is None and max_bytes is None:
+        raise click.UsageError("say what to collect: --older-than and/or --max-bytes")
+    try:
+        age = parse_duration(older_than) if older_than else None
+        budget = parse_size(max_bytes) if max_bytes else None
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    if max_bytes is not None and budget is None:
+        budget = 0
+
+    async def main(b: Backend) -> Any:
+        return await gc_store(
+            b, prefix=prefix, namespace=namespace, older_than_s=age, max_bytes=budget, dry_run=dry_run
+        )
+
+    report = _run(main, (url, "URL"))
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        verb = "would delete" if dry_run else "deleted"
+        click.echo(
+            f"{verb} {len(report.deleted)} of {report.before_objects} objects "
+            f"({_human(report.deleted_bytes)}); {_human(report.after_bytes)} remain"
+        )

@@ -1,0 +1,461 @@
+"""LMCache GPU connectors over vLLM's paged KV cache (whole-chunk and layerwise).
+
+Owns: the adapters that implement LMCache 0.5.6's ``GPUConnectorInterface`` on top of
+:class:`~kvstore.gpu.paged.PagedKVCache` (gather/scatter), :mod:`kvstore.gpu.transfer`
+(copy stream, host copies) and :mod:`kvstore.gpu.staging` (pooled buffers):
+
+* :class:`PagedKVConnector` — whole chunks, ``KV_2LTD`` ``[2, L, T, H*D]``
+  (MLA: ``KV_MLA_FMT`` ``[1, L, T, D]``); used by ``LMCacheEngine.store`` / ``retrieve``.
+* :class:`LayerwisePagedKVConnector` — one layer at a time, ``KV_T2D`` ``[T, 2, H*D]``
+  (MLA: ``[T, D]``); used by ``store_layer`` / ``retrieve_layer`` with
+  ``use_layerwise=True``.
+
+Both run unchanged on CPU tensors (the copies are then synchronous) and on CUDA (copies
+on a dedicated stream, ordered against the caller's stream by events).
+
+What LMCache's engine passes in ``**kwargs`` (and what is read here):
+
+``kvcaches``            list of per-layer paged tensors (required unless given to the
+                        constructor; a different list rebinds the connector).
+``slot_mapping``        1-D int tensor (or list) over the *whole* token sequence:
+                        token i lives in slot ``slot_mapping[i]``; chunk ``[start, end)``
+                        uses ``slot_mapping[start:end]``. ``store(hashes=..., offsets=...)``
+                        turns a list into a tensor before it reaches the connector.
+``vllm_cached_tokens``  loads only: tokens before this position are already in vLLM's
+                        cache and are not overwritten.
+``sync``                layerwise only (default True): on store, drain the copy stream
+                        before each layer's memory objects are handed back; on load,
+                        make the caller's stream wait for each loaded layer.
+Other keys (``offset``, ``req_id``, ``request_configs``, ``transfer_spec``) are ignored.
+
+Must not touch: index arithmetic (kvstore.gpu.layout), storage, policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from typing import Any
+
+import torch
+from lmcache.v1.gpu_connector.gpu_connectors import (
+    GPUConnectorInterface,
+    VLLMPagedMemLayerwiseGPUConnector,
+)
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+
+from kvstore.gpu.layout import KVLayout
+from kvstore.gpu.paged import PagedKVCache
+from kvstore.gpu.staging import DeviceScratch, PinnedPool
+from kvstore.gpu.transfer import CopyStream, HostBatch
+
+__all__ = ["LayerwisePagedKVConnector", "PagedKVConnector", "make_connector"]
+
+
+class _PagedCore:
+    """State shared by both connectors: bound caches, streams, scratch and pool."""
+
+    def _init_core(
+        self,
+        kv_caches: Sequence[torch.Tensor] | None,
+        *,
+        layout: KVLayout | str | None,
+        num_layers: int | None,
+        hidden_dim_size: int | None,
+        use_mla: bool | None,
+        device: torch.device | str | None,
+        pool: PinnedPool | None,
+        stage_all: bool,
+    ) -> None:
+        self.layout_hint = layout
+        self.paged: PagedKVCache | None = None
+        self.kvcaches: list[torch.Tensor] | None = None
+        self.num_layers = num_layers
+        self.hidden_dim_size = hidden_dim_size
+        self.use_mla = bool(use_mla) if use_mla is not None else None
+        if kv_caches is not None:
+            self._bind_caches(kv_caches)
+        if self.num_layers is None or self.hidden_dim_size is None or self.use_mla is None:
+            raise ValueError(
+                "pass kv_caches, or num_layers, hidden_dim_size and use_mla (e.g. via from_metadata), "
+                "so the connector knows the chunk shape before the first transfer"
+            )
+        if device is None:
+            device = self.paged.device if self.paged is not None else "cpu"
+        self.device = torch.device(device)
+        self.pool = pool if pool is not None else PinnedPool()
+        self.stage_all = stage_all
+        self.store_copies = CopyStream(self.device)
+        self.load_copies = CopyStream(self.device)
+        if self.store_copies.stream is not None:
+            # LMCache reuses a connector's ``load_stream`` for MLA broadcasts.
+            self.store_stream = self.store_copies.stream
+            self.load_stream = self.load_copies.stream
+        self._store_scratch = DeviceScratch(self.device)
+        self._load_scratch = DeviceScratch(self.device)
+
+    # -- binding --------------------------------------------------------------------
+
+    def _bind_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedKVCache:
+        paged = PagedKVCache(kv_caches, self.layout_hint)
+        lay = paged.layout
+        mla = lay.kind is KVLayout.MLA
+        for name, want, got in (
+            ("num_layers", self.num_layers, lay.num_layers),
+            ("hidden_dim_size", self.hidden_dim_size, lay.width),
+            ("use_mla", self.use_mla, mla),
+        ):
+            if want is not None and want != got:
+                raise ValueError(f"kv caches give {name}={got} but the connector was built with {want}")
+        self.num_layers, self.hidden_dim_size, self.use_mla = lay.num_layers, lay.width, mla
+        self.paged = paged
+        self.kvcaches = paged.kv_caches
+        return paged
+
+    def _bind(self, kwargs: dict[str, Any]) -> PagedKVCache:
+        caches = kwargs.get("kvcaches")
+        if caches is not None and (self.paged is None or not self.paged.same_tensors(caches)):
+            return self._bind_caches(caches)
+        if self.paged is None:
+            raise ValueError("no KV caches bound: pass kvcaches=[...] to the constructor or in kwargs")
+        return self.paged
+
+    def initialize_kvcaches_ptr(self, **kwargs: Any) -> None:
+        if kwargs.get("kvcaches") is not None:
+            self._bind(kwargs)
+
+    @staticmethod
+    def _slot_mapping(kwargs: dict[str, Any]) -> torch.Tensor:
+        if kwargs.get("slot_mapping") is None:
+            raise ValueError("'slot_mapping' must be passed in kwargs (one slot per token of the sequence)")
+        slots = kwargs["slot_mapping"]
+        if not isinstance(slots, torch.Tensor):
+            slots = torch.as_tensor(slots, dtype=torch.int64)
+        return slots
+
+    def _direct(self, t: torch.Tensor, paged: PagedKVCache) -> bool:
+        """True when ``t`` can be read/written by the gather/scatter kernels directly."""
+        return t.device == paged.device and not self.stage_all
+
+    def _batch(self, stream: CopyStream) -> HostBatch:
+        return HostBatch(stream, self.pool, stage_all=self.stage_all)
+
+    @staticmethod
+    def _tensor(obj: MemoryObj) -> torch.Tensor:
+        t = obj.tensor
+        if t is None:
+            raise ValueError("memory object has no tensor (it was invalidated or is a byte buffer)")
+        return t
+
+    @staticmethod
+    def _check_fmt(obj: MemoryObj, expected: MemoryFormat) -> None:
+        fmt = obj.metadata.fmt
+        if fmt != expected:
+            raise ValueError(f"memory object is in {fmt}, this connector reads {expected}")
+
+
+class PagedKVConnector(_PagedCore, GPUConnectorInterface):
+    """Whole-chunk connector: one ``KV_2LTD`` (MLA: ``KV_MLA_FMT``) tensor per chunk.
+
+    Construct for CPU tests with the caches themselves::
+
+        conn = PagedKVConnector(kv_caches)            # layout discovered from the shapes
+
+    or, as LMCache does, from metadata and bind the caches on the first call through
+    ``kvcaches=`` (see the module docstring for every kwarg).
+
+    ``layout``: hint for ambiguous shapes (``"flash_attn"``, ``"flash_infer"``, ``"mla"``).
+    ``pool``: host staging pool to share between connectors (default: a private one).
+    ``stage_all``: route every copy through device scratch and staging buffers even when
+    caches and chunks share a device (exercises the GPU path's bookkeeping on CPU).
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor] | None = None,
+        *,
+        layout: KVLayout | str | None = None,
+        num_layers: int | None = None,
+        hidden_dim_size: int | None = None,
+        use_mla: bool | None = None,
+        device: torch.device | str | None = None,
+        pool: PinnedPool | None = None,
+        stage_all: bool = False,
+    ) -> None:
+        self._init_core(
+            kv_caches,
+            layout=layout,
+            num_layers=num_layers,
+            hidden_dim_size=hidden_dim_size,
+            use_mla=use_mla,
+            device=device,
+            pool=pool,
+            stage_all=stage_all,
+        )
+
+    @classmethod
+    def from_metadata(cls, metadata: Any, device: torch.device | str | None = None, **kwargs: Any):
+        """Build from ``LMCacheMetadata`` (``kv_shape = (L, 2|1, chunk, H, D)``)."""
+        num_layers, _, _, heads, head_size = metadata.kv_shape
+        return cls(
+            num_layers=num_layers,
+            hidden_dim_size=heads * head_size,
+            use_mla=bool(metadata.use_mla),
+            device=device,
+            **kwargs,
+        )
+
+    @property
+    def _fmt(self) -> MemoryFormat:
+        return MemoryFormat.KV_MLA_FMT if self.use_mla else MemoryFormat.KV_2LTD
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        return torch.Size([1 if self.use_mla else 2, self.num_layers, num_tokens, self.hidden_dim_size])
+
+    # -- store: paged cache -> memory objects ------------------------------------------
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.batched_from_gpu([memory_obj], [start], [end], **kwargs)
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> None:
+        """Gather chunk ``[starts[i], ends[i])`` into ``memory_objs[i]``; they are filled
+        when this returns (one host wait for the whole batch)."""
+        paged = self._bind(kwargs)
+        slot_mapping = self._slot_mapping(kwargs)
+        batch = self._batch(self.store_copies)
+        with self.store_copies.scope():
+            for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+                if isinstance(obj, (list, tuple)):
+                    raise TypeError(
+                        "PagedKVConnector takes one memory object per chunk; use the layerwise one"
+                    )
+                dst = self._tensor(obj)
+                slots = slot_mapping[start:end]
+                if self._direct(dst, paged):
+                    paged.gather(slots, out=dst)
+                else:
+                    scratch = self._store_scratch.get(dst.shape, dst.dtype)
+                    paged.gather(slots, out=scratch)
+                    batch.to_host(scratch, dst)
+                obj.metadata.fmt = self._fmt
+        batch.complete()
+
+    # -- retrieve: memory objects -> paged cache ---------------------------------------
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        self.batched_to_gpu([memory_obj], [start], [end], **kwargs)
+
+    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kwargs: Any) -> None:
+        """Scatter each memory object into the paged cache at its chunk's slots; the
+        copies are complete (and the objects free to reuse) when this returns."""
+        paged = self._bind(kwargs)
+        slot_mapping = self._slot_mapping(kwargs)
+        cached = int(kwargs.get("vllm_cached_tokens") or 0)
+        batch = self._batch(self.load_copies)
+        with self.load_copies.scope():
+            for obj, start, end in zip(memory_objs, starts, ends, strict=True):
+                skip = min(end - start, max(0, cached - start))
+                if skip == end - start:
+                    continue
+                self._check_fmt(obj, self._fmt)
+                src = self._tensor(obj)
+                slots = slot_mapping[start + skip : end]
+                if self._direct(src, paged):
+                    paged.scatter(slots, src[:, :, skip:])
+                else:
+                    scratch = self._load_scratch.get(src.shape, src.dtype)
+                    batch.to_device(src, scratch)
+                    paged.scatter(slots, scratch[:, :, skip:])
+        self.load_copies.current_waits()
+        batch.complete()  # the engine releases the memory objects right after this returns
+
+
+class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
+    """Layerwise connector: per layer, one ``KV_T2D`` ``[T, 2, H*D]`` (MLA ``[T, D]``)
+    memory object per chunk, moved on the copy stream while the model computes.
+
+    It subclasses LMCache's ``VLLMPagedMemLayerwiseGPUConnector`` only because
+    ``LMCacheEngine.store_layer`` / ``retrieve_layer`` accept nothing else
+    (``assert_layerwise_gpu_connector`` is an isinstance check); none of the parent's
+    code or state is used, so it builds on CPU.
+
+    Generator protocol (as the engine drives it, L = number of layers):
+
+    * ``batched_from_gpu(memory_objs[L][N], starts, ends, **kw)``: L + 1 ``next()``.
+      Call 1 queues layer 0's copy; call i+1 (1 <= i < L) makes layer i-1's memory
+      objects complete, then queues layer i; call L+1 completes layer L-1. The engine
+      puts layer i's objects right after call i+2 returns.
+    * ``batched_to_gpu(starts, ends, **kw)``: ``next()`` once, then ``send(objs)`` with
+      layer i's N memory objects for i = 0..L-1 (each send queues that layer's copy,
+      after making the caller's stream wait for the previous layer when ``sync``), then
+      ``next()`` once more: the caller's stream waits for the last layer, the host waits
+      for every copy that still reads host memory, staging buffers go back to the pool.
+      L + 2 steps in all.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Sequence[torch.Tensor] | None = None,
+        *,
+        layout: KVLayout | str | None = None,
+        num_layers: int | None = None,
+        hidden_dim_size: int | None = None,
+        use_mla: bool | None = None,
+        device: torch.device | str | None = None,
+        pool: PinnedPool | None = None,
+        stage_all: bool = False,
+    ) -> None:
+        # Deliberately not calling the LMCache parent's __init__ (it needs CUDA).
+        self._init_core(
+            kv_caches,
+            layout=layout,
+            num_layers=num_layers,
+            hidden_dim_size=hidden_dim_size,
+            use_mla=use_mla,
+            device=device,
+            pool=pool,
+            stage_all=stage_all,
+        )
+
+    @classmethod
+    def from_metadata(cls, metadata: Any, device: torch.device | str | None = None, **kwargs: Any):
+        """Build from ``LMCacheMetadata`` (``kv_shape = (L, 2|1, chunk, H, D)``)."""
+        num_layers, _, _, heads, head_size = metadata.kv_shape
+        return cls(
+            num_layers=num_layers,
+            hidden_dim_size=heads * head_size,
+            use_mla=bool(metadata.use_mla),
+            device=device,
+            **kwargs,
+        )
+
+    @property
+    def _fmt(self) -> MemoryFormat:
+        return MemoryFormat.KV_MLA_FMT if self.use_mla else MemoryFormat.KV_T2D
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        if self.use_mla:
+            return torch.Size([num_tokens, self.hidden_dim_size])
+        return torch.Size([num_tokens, 2, self.hidden_dim_size])
+
+    def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "the layerwise connector moves one layer at a time: drive batched_to_gpu as a generator"
+        )
+
+    def from_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
+        raise NotImplementedError(
+            "the layerwise connector moves one layer at a time: drive batched_from_gpu as a generator"
+        )
+
+    @staticmethod
+    def _spans(lengths: Sequence[int]) -> list[tuple[int, int]]:
+        spans, at = [], 0
+        for n in lengths:
+            spans.append((at, at + n))
+            at += n
+        return spans
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs: Any) -> Generator[None, None, None]:
+        paged = self._bind(kwargs)
+        slot_mapping = self._slot_mapping(kwargs)
+        sync = bool(kwargs.get("sync", True))
+        if len(memory_objs) != paged.num_layers:
+            raise ValueError(f"expected memory objects for {paged.num_layers} layers, got {len(memory_objs)}")
+        k = paged.layout.kv_size
+        spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
+        total = spans[-1][1] if spans else 0
+        rows = paged.layer_rows(
+            torch.cat([slot_mapping[s:e] for s, e in zip(starts, ends, strict=True)])
+            if spans
+            else slot_mapping[:0]
+        )
+        self.store_copies.keep(rows)  # made on the caller's stream, read on the copy stream
+        batch = self._batch(self.store_copies)
+        for layer in range(paged.num_layers):
+            objs = memory_objs[layer]
+            with self.store_copies.scope():  # after the attention that wrote this layer
+                dsts = [self._tensor(o) for o in objs]
+                if all(self._direct(d, paged) for d in dsts):
+                    for dst, (a, b) in zip(dsts, spans, strict=True):
+                        paged.gather_layer(layer, rows[k * a : k * b], out=dst)
+                elif total:
+                    scratch = self._store_scratch.get(paged.layout.layer_chunk_shape(total), paged.dtype)
+                    paged.gather_layer(layer, rows, out=scratch)
+                    for dst, (a, b) in zip(dsts, spans, strict=True):
+                        if self._direct(dst, paged):
+                            dst.copy_(scratch[a:b])
+                        else:
+                            batch.to_host(scratch[a:b], dst)
+                for obj in objs:
+                    obj.metadata.fmt = self._fmt
+                event = batch.mark()
+            yield
+            if batch.has_host_copies_pending:
+                batch.complete(event)  # pageable objects: finish their copies on the host
+            elif sync:
+                self.store_copies.synchronize()  # LMCache semantics: drain the shared stream
+            batch.release()
+        yield
+
+    def batched_to_gpu(self, starts=None, ends=None, **kwargs: Any) -> Generator[None, Any, None]:
+        paged = self._bind(kwargs)
+        slot_mapping = self._slot_mapping(kwargs)
+        sync = bool(kwargs.get("sync", True))
+        cached = int(kwargs.get("vllm_cached_tokens") or 0)
+        k = paged.layout.kv_size
+        skips = [min(e - s, max(0, cached - s)) for s, e in zip(starts, ends, strict=True)]
+        spans = self._spans([e - s - skip for s, e, skip in zip(starts, ends, skips, strict=True)])
+        total = spans[-1][1] if spans else 0
+        kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
+        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
+        self.load_copies.keep(rows)  # made on the caller's stream, read on the copy stream
+        batch = self._batch(self.load_copies)
+        held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
+        for layer in range(paged.num_layers):
+            objs = yield
+            if sync:
+                self.load_copies.current_waits()  # compute on layer-1 sees its KV
+            if objs is None or len(objs) != len(spans):
+                raise ValueError(
+                    f"layer {layer}: send() {len(spans)} memory objects (one per chunk), got "
+                    f"{None if objs is None else len(objs)}"
+                )
+            with self.load_copies.scope():
+                srcs = []
+                for obj, skip in zip(objs, skips, strict=True):
+                    self._check_fmt(obj, self._fmt)
+                    srcs.append(self._tensor(obj)[skip:])
+                if all(self._direct(s, paged) for s in srcs):
+                    for src, (a, b) in zip(srcs, spans, strict=True):
+                        if b > a:
+                            paged.scatter_layer(layer, rows[k * a : k * b], src)
+                elif total:
+                    scratch = self._load_scratch.get(paged.layout.layer_chunk_shape(total), paged.dtype)
+                    for src, (a, b) in zip(srcs, spans, strict=True):
+                        if self._direct(src, paged):
+                            scratch[a:b].copy_(src)
+                        else:
+                            batch.to_device(src, scratch[a:b])
+                    paged.scatter_layer(layer, rows, scratch)
+                batch.mark()
+            if self.load_copies.is_async:
+                for obj in objs:
+                    obj.ref_count_up()
+                    held.append(obj)
+        yield
+        if sync:
+            self.load_copies.current_waits()
+        # The engine drops its references right after the last send(); copies that read
+        # pinned memory objects must be finished before those objects can be reused.
+        batch.complete()
+        for obj in held:
+            obj.ref_count_down()
+        yield
+
+
+def make_connector(
+    kv_caches: Sequence[torch.Tensor] | None = None, *, layerwise: bool = False, **kwargs: Any
+) -> PagedKVConnector | LayerwisePagedKVConnector:
+    """The connector for LMCache's ``use_layerwise`` setting (kwargs as the classes take)."""
+    cls = LayerwisePagedKVConnector if layerwise else PagedKVConnector
+    return cls(kv_caches, **kwargs)

@@ -1,0 +1,1 @@
+"""Operations on whole stores: migration, inspection, verification, garbage collection."""

@@ -1,0 +1,222 @@
+"""Look after a store: what is in it, is it intact, and bring it under a budget.
+
+Owns: `stat_store` (objects and bytes by namespace, model, codec, age), `verify_store`
+(every frame checked, optionally quarantined) and `gc_store` (delete by age /
+namespace / down to a byte budget, oldest first).  Must not touch: backend internals
+or printing.  Frame headers are read with `Backend.read_heads`, so `stat` does not
+read payloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvstore.backends import Backend, ObjectInfo
+from kvstore.backends.base import redact_url
+from kvstore.frame import FrameError, FrameHeader, decode_frame, read_header
+from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+
+HEAD_BYTES = 4096
+AGE_BUCKETS = ((3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (30 * 86400, "<30d"))
+
+
+def describe(name: str) -> tuple[str, str]:
+    """(namespace, model) of an object name, or ("?", "?") for foreign names."""
+    try:
+        key = ChunkKey.from_object_name(name)
+    except InvalidKeyError:
+        return ("?", "?")
+    return (key.namespace, key.model)
+
+
+def age_bucket(age_s: float) -> str:
+    for limit, label in AGE_BUCKETS:
+        if age_s < limit:
+            return label
+    return ">=30d"
+
+
+async def list_objects(backend: Backend, prefix: str = "", namespace: str | None = None) -> list[ObjectInfo]:
+    if namespace is not None:
+        prefix = max(prefix, namespace_prefix(namespace), key=len)
+    return [i async for i in backend.list(prefix)]
+
+
+async def read_headers(backend: Backend, names: Sequence[str], batch: int = 64) -> list[FrameHeader | None]:
+    """Frame headers by ranged reads; None for missing or unreadable objects."""
+    out: list[FrameHeader | None] = []
+    for start in range(0, len(names), batch):
+        chunk = list(names[start : start + batch])
+        heads = await backend.read_heads(chunk, HEAD_BYTES)
+        for name, head in zip(chunk, heads):
+            header = None
+            if head is not None:
+                try:
+                    header = read_header(head)[0]
+                except FrameError:
+                    full = (await backend.get_many([name]))[0]  # header longer than HEAD_BYTES?
+                    try:
+                        header = read_header(full)[0] if full is not None else None
+                    except FrameError:
+                        header = None
+            out.append(header)
+    return out
+
+
+@dataclass(slots=True)
+class Group:
+    objects: int = 0
+    bytes: int = 0
+
+
+@dataclass(slots=True)
+class StoreStats:
+    url: str
+    objects: int = 0
+    bytes: int = 0
+    by_namespace: dict[str, Group] = field(default_factory=dict)
+    by_model: dict[str, Group] = field(default_factory=dict)
+    by_codec: dict[str, Group] = field(default_factory=dict)
+    by_age: dict[str, Group] = field(default_factory=dict)
+    unreadable: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def stat_store(backend: Backend, prefix: str = "", namespace: str | None = None) -> StoreStats:
+    objects = await list_objects(backend, prefix, namespace)
+    headers = await read_headers(backend, [o.name for o in objects])
+    now = time.time()
+    st = StoreStats(url=redact_url(backend.url))
+    for info, header in zip(objects, headers):
+        ns, model = describe(info.name)
+        codec = header.codec if header is not None else "unreadable"
+        st.unreadable += header is None
+        created = header.ctime if header is not None and header.ctime else info.mtime
+        for group in (
+            st.by_namespace.setdefault(ns, Group()),
+            st.by_model.setdefault(f"{ns}/{model}", Group()),
+            st.by_codec.setdefault(codec, Group()),
+            st.by_age.setdefault(age_bucket(now - created), Group()),
+        ):
+            group.objects += 1
+            group.bytes += info.size
+        st.objects += 1
+        st.bytes += info.size
+    return st
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    url: str
+    checked: int = 0
+    ok: int = 0
+    bad: dict[str, str] = field(default_factory=dict)
+    missing: int = 0
+    quarantined: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def verify_store(
+    backend: Backend,
+    prefix: str = "",
+    *,
+    quarantine: bool = False,
+    concurrency: int = 4,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Read and check every frame under `prefix`; with `quarantine`, move bad ones aside."""
+    objects = await list_objects(backend, prefix)
+    report = VerifyReport(url=redact_url(backend.url))
+    queue: asyncio.Queue[ObjectInfo] = asyncio.Queue()
+    for o in objects:
+        queue.put_nowait(o)
+
+    async def worker() -> None:
+        while not queue.empty():
+            info = queue.get_nowait()
+            (raw,) = await backend.get_many([info.name])
+            report.checked += 1
+            if raw is None:
+                report.missing += 1
+            else:
+                try:
+                    frame = decode_frame(raw)
+                    if frame.header.key and frame.header.key != info.name:
+                        raise FrameError(f"frame belongs to {frame.header.key!r}")
+                    report.ok += 1
+                except FrameError as exc:
+                    report.bad[info.name] = f"{type(exc).__name__}: {exc}"
+                    if quarantine:
+                        await backend.quarantine(info.name, report.bad[info.name])
+                        report.quarantined += 1
+            if progress:
+                progress(info.size)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    return report
+
+
+@dataclass(slots=True)
+class GcReport:
+    url: str
+    dry_run: bool
+    before_objects: int = 0
+    before_bytes: int = 0
+    deleted: list[str] = field(default_factory=list)
+    deleted_bytes: int = 0
+    after_bytes: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def gc_store(
+    backend: Backend,
+    *,
+    prefix: str = "",
+    namespace: str | None = None,
+    older_than_s: float | None = None,
+    max_bytes: int | None = None,
+    dry_run: bool = False,
+) -> GcReport:
+    """Delete objects older than `older_than_s`, then oldest first until ≤ `max_bytes`.
+
+    With `namespace`, only that namespace is considered and `max_bytes` is its budget.
+    Age is the frame's creation time where readable, else the object's mtime.
+    """
+    objects = await list_objects(backend, prefix, namespace)
+    headers = await read_headers(backend, [o.name for o in objects])
+    created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(objects, headers)}
+    report = GcReport(url=redact_url(backend.url), dry_run=dry_run)
+    report.before_objects = len(objects)
+    report.before_bytes = sum(o.size for o in objects)
+    now = time.time()
+    oldest_first = sorted(objects, key=lambda o: created[o.name])
+    doomed: list[ObjectInfo] = []
+    if older_than_s is not None:
+        doomed = [o for o in oldest_first if now - created[o.name] > older_than_s]
+    remaining = report.before_bytes - sum(o.size for o in doomed)
+    if max_bytes is not None:
+        chosen = {o.name for o in doomed}
+        for o in oldest_first:
+            if remaining <= max_bytes:
+                break
+            if o.name not in chosen:
+                doomed.append(o)
+                remaining -= o.size
+    if not dry_run:
+        names = [o.name for o in doomed]
+        for start in range(0, len(names), 500):
+            await backend.delete_many(names[start : start + 500])
+    report.deleted = [o.name for o in doomed]
+    report.deleted_bytes = sum(o.size for o in doomed)
+    report.after_bytes = report.before_bytes - report.deleted_bytes
+    return report

@@ -1,0 +1,311 @@
+"""Copy objects between any two backends: verified, bounded, resumable.
+
+Owns: the migration loop, its journal and its report.  Must not touch: backend
+internals (only the public Backend API), printing (the CLI renders `MigrationReport`).
+
+For each source object (listed, filtered by prefix / namespace / model):
+
+1. done already?  Names in the journal whose object the destination still has are
+   skipped without reading.  A destination object not in the journal (a run killed
+   between write and journal) is read and checked against the source header instead
+   of being copied again.
+2. read the source frame and verify it (checksum).  A corrupt source object is
+   reported and skipped, never copied (and never deleted).
+3. optionally recode the payload (``raw`` ↔ ``cachegen``), keeping the key; the new
+   frame records the source checksum in ``meta.source_csum``.
+4. write, read back and verify the destination frame, append the name to the journal,
+   and only then, with `delete_source`, delete the source object.
+
+Memory stays bounded: at most `concurrency` objects and `max_inflight_bytes` bytes are
+held at once (one object larger than that budget still passes, alone).  Destination
+writes are atomic in every backend, so a kill at any point leaves each object either
+absent or whole, and a rerun finishes the job writing each missing object once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore import codec as codecs
+from kvstore.backends import Backend, ObjectInfo
+from kvstore.backends.base import redact_url
+from kvstore.config import kvstore_home
+from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame, read_header
+from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class MigrateOptions:
+    prefix: str = ""
+    namespace: str | None = None
+    model: str | None = None
+    recode: str | None = None
+    recode_options: dict[str, Any] = field(default_factory=dict)
+    delete_source: bool = False
+    dry_run: bool = False
+    concurrency: int = 4
+    max_inflight_bytes: int = 512 * MiB
+    verify_after_write: bool = True
+    journal: Path | None = None
+    fresh: bool = False
+
+    def listing_prefix(self) -> str:
+        if self.namespace is not None:
+            ns_prefix = namespace_prefix(self.namespace, self.model)
+            if self.prefix and not (self.prefix.startswith(ns_prefix) or ns_prefix.startswith(self.prefix)):
+                return "\x00"  # disjoint filters: nothing matches
+            return max(ns_prefix, self.prefix, key=len)
+        return self.prefix
+
+    def matches(self, name: str) -> bool:
+        if not name.startswith(self.listing_prefix()):
+            return False
+        if self.model is not None and self.namespace is None:
+            try:
+                return ChunkKey.from_object_name(name).model == self.model
+            except InvalidKeyError:
+                return False
+        return True
+
+
+@dataclass(slots=True)
+class MigrationReport:
+    src: str
+    dst: str
+    dry_run: bool
+    listed: int = 0
+    listed_bytes: int = 0
+    copied: int = 0
+    copied_bytes: int = 0
+    written_bytes: int = 0
+    already_done: int = 0
+    deleted: int = 0
+    corrupt: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    @property
+    def mib_s(self) -> float:
+        return self.copied_bytes / MiB / self.seconds if self.seconds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mib_s"] = self.mib_s
+        d["ok"] = self.ok
+        return d
+
+
+class _ByteBudget:
+    """At most `limit` bytes held at once; a single oversize request passes alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, n: int) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.held == 0 or self.held + n <= self.limit)
+            self.held += n
+
+    async def release(self, n: int) -> None:
+        async with self._cond:
+            self.held -= n
+            self._cond.notify_all()
+
+
+class Journal:
+    """Names already copied and verified, one JSON string per line, append-only."""
+
+    def __init__(self, path: Path, *, fresh: bool = False) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if fresh and path.exists():
+            path.unlink()
+        self.done: set[str] = set()
+        if path.exists():
+            for line in path.read_text("utf-8").splitlines():
+                try:
+                    self.done.add(json.loads(line))
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a kill
+        self._fh = path.open("a", encoding="utf-8")
+
+    def add(self, name: str) -> None:
+        self._fh.write(json.dumps(name) + "\n")
+        self._fh.flush()
+        self.done.add(name)
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def journal_path(src: Backend, dst: Backend, opts: MigrateOptions) -> Path:
+    ident = json.dumps(
+        [redact_url(src.url), redact_url(dst.url), opts.listing_prefix(), opts.model, opts.recode]
+    )
+    digest = hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
+    return kvstore_home() / "migrations" / f"{digest}.jsonl"
+
+
+def _recode(frame: Frame, name: str, target: codecs.Codec) -> list[memoryview]:
+    source = codecs.get(frame.header.codec)
+    tensor = source.decode_payload(frame.payload, frame.header)
+    enc = target.encode_parts(tensor, layout=frame.header.layout)
+    meta = {
+        **frame.header.meta,
+        **enc.meta,
+        "source_csum": frame.header.csum,
+        "source_codec": frame.header.codec,
+    }
+    return encode_frame(
+        enc.parts, codec=target.name, dtype=enc.dtype, shape=enc.shape, layout=enc.layout, key=name, meta=meta
+    )
+
+
+def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> bool:
+    if recode is None or recode == src.codec:
+        return dst.csum == src.csum and dst.plen == src.plen
+    return dst.codec == recode and dst.meta.get("source_csum") == src.csum
+
+
+async def list_matching(src: Backend, opts: MigrateOptions) -> list[ObjectInfo]:
+    return [info async for info in src.list(opts.listing_prefix()) if opts.matches(info.name)]
+
+
+async def migrate(
+    src: Backend,
+    dst: Backend,
+    opts: MigrateOptions,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    objects: list[ObjectInfo] | None = None,
+) -> MigrationReport:
+    """Copy every matching object of `src` to `dst`; see the module docstring.
+
+    `progress(objects_done, bytes_done)` is called after each object.
+    """
+    t0 = time.perf_counter()
+    report = MigrationReport(src=redact_url(src.url), dst=redact_url(dst.url), dry_run=opts.dry_run)
+    if objects is None:
+        objects = await list_matching(src, opts)
+    report.listed = len(objects)
+    report.listed_bytes = sum(o.size for o in objects)
+    target = codecs.get(opts.recode, **opts.recode_options) if opts.recode else None
+    journal = Journal(opts.journal or journal_path(src, dst, opts), fresh=opts.fresh)
+    budget = _ByteBudget(opts.max_inflight_bytes)
+    tick = progress or (lambda n, b: None)
+
+    # names the journal says are done: skip those the destination still has
+    todo = objects
+    journaled = [o for o in objects if o.name in journal.done]
+    if journaled:
+        present = await dst.contains_many([o.name for o in journaled])
+        gone = {o.name for o, p in zip(journaled, present) if not p}
+        todo = [o for o in objects if o.name not in journal.done or o.name in gone]
+        for o in journaled:
+            if o.name not in gone:
+                report.already_done += 1
+                tick(1, o.size)
+
+    queue: asyncio.Queue[ObjectInfo] = asyncio.Queue()
+    for o in todo:
+        queue.put_nowait(o)
+
+    async def copy_one(info: ObjectInfo) -> None:
+        name = info.name
+        if opts.dry_run:
+            report.copied += 1
+            report.copied_bytes += info.size
+            return
+        (raw,) = await src.get_many([name])
+        if raw is None:
+            log.warning("kvstore migrate: %s vanished from the source", name)
+            report.failed.append(name)
+            return
+        try:
+            frame = decode_frame(raw)
+        except FrameError as exc:
+            log.error("kvstore migrate: source object %s is corrupt (%s); skipped, not copied", name, exc)
+            report.corrupt.append(name)
+            return
+        if await _done_in_destination(name, frame.header):
+            journal.add(name)
+            report.already_done += 1
+            await _delete_source(name)
+            return
+        parts = _recode(frame, name, target) if target is not None else [raw]
+        expect_csum = read_header(parts[0])[0].csum if target is not None else frame.header.csum
+        (ok,) = await dst.put_many([(name, parts)])
+        if not ok:
+            report.failed.append(name)
+            return
+        if opts.verify_after_write and not await _verify_written(name, expect_csum):
+            report.failed.append(name)
+            return
+        journal.add(name)
+        report.copied += 1
+        report.copied_bytes += info.size
+        report.written_bytes += sum(memoryview(p).nbytes for p in parts)
+        await _delete_source(name)
+
+    async def _done_in_destination(name: str, src_header: FrameHeader) -> bool:
+        if not (await dst.contains_many([name]))[0]:
+            return False
+        (have,) = await dst.get_many([name])
+        if have is None:
+            return False
+        try:
+            return _matches_source(decode_frame(have).header, src_header, opts.recode)
+        except FrameError:
+            return False
+
+    async def _verify_written(name: str, csum: int) -> bool:
+        (back,) = await dst.get_many([name])
+        try:
+            if back is not None and decode_frame(back).header.csum == csum:
+                return True
+        except FrameError as exc:
+            log.error("kvstore migrate: %s reads back corrupt from the destination: %s", name, exc)
+        return False
+
+    async def _delete_source(name: str) -> None:
+        if opts.delete_source:
+            (existed,) = await src.delete_many([name])
+            report.deleted += int(existed)
+
+    async def worker() -> None:
+        while True:
+            try:
+                info = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            await budget.acquire(info.size)
+            try:
+                await copy_one(info)
+            finally:
+                await budget.release(info.size)
+            tick(1, info.size)
+
+    try:
+        await asyncio.gather(*(worker() for _ in range(max(1, opts.concurrency))))
+    finally:
+        journal.close()
+    report.seconds = time.perf_counter() - t0
+    return report

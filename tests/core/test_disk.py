@@ -1,0 +1,249 @@
+"""The disk tier on the real file system: round trips, restarts, corruption, crashes, budget."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.backends import open_backend
+from kvstore.backends.disk import DiskBackend
+from kvstore.keys import ChunkKey
+from kvstore.tier import Tier
+
+
+def names(n: int, ns: str = "default") -> list[str]:
+    return [ChunkKey("m", 1, 0, i - n // 2, namespace=ns).object_name() for i in range(n)]
+
+
+def blob(i: int, size: int = 4096) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(size))
+
+
+async def test_round_trip_many_and_agreement(tmp_path: Path) -> None:
+    be = open_backend(f"file://{tmp_path}")
+    keys = names(40)
+    assert await be.put_many([(k, blob(i)) for i, k in enumerate(keys)]) == [True] * 40
+    got = await be.get_many([*keys, "default/m/vllm-1-0/ffff"])
+    assert [bytes(g) for g in got[:40]] == [blob(i) for i in range(40)]
+    assert got[40] is None
+    assert await be.contains_many([*keys[:3], "nope/x"]) == [True, True, True, False]
+    assert await be.delete_many([keys[0], keys[0]]) == [True, False]
+    assert await be.contains_many([keys[0]]) == [False]
+    listed = [info async for info in be.list("default/")]
+    assert sorted(i.name for i in listed) == sorted(keys[1:])
+    assert all(i.size == 4096 for i in listed)
+    assert be.stats().objects == 39 and be.stats().bytes == 39 * 4096
+
+
+async def test_get_into_caller_buffer(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path)
+    await be.put("a/b", [b"head", b"-payload"])
+    buf = bytearray(64)
+    view = await be.get("a/b", alloc=lambda n: memoryview(buf))
+    assert bytes(view) == b"head-payload"
+    assert view.obj is buf
+
+
+async def test_restart_finds_everything_in_a_new_process(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path)
+    keys = names(10)
+    await be.put_many([(k, blob(i)) for i, k in enumerate(keys)])
+    script = (
+        "import asyncio,sys; from kvstore.backends import open_backend\n"
+        f"b = open_backend('file://{tmp_path}')\n"
+        "print(b.stats().objects, b.stats().bytes)\n"
+        f"got = asyncio.run(b.get_many({keys!r}))\n"
+        "print(sum(g is not None for g in got))\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        "python3", "-c", script, stdout=asyncio.subprocess.PIPE, env={**os.environ}
+    )
+    out, _ = await proc.communicate()
+    assert out.decode().split() == ["10", "40960", "10"]
+
+
+async def test_object_written_by_another_instance_after_open_is_found(tmp_path: Path) -> None:
+    reader = DiskBackend(tmp_path)
+    writer = DiskBackend(tmp_path)
+    await writer.put("x/y", b"late")
+    assert await reader.contains_many(["x/y"]) == [True]
+    assert bytes(await reader.get("x/y")) == b"late"
+
+
+async def test_corruption_is_a_quarantined_counted_miss(tmp_path: Path) -> None:
+    tier = Tier(DiskBackend(tmp_path))
+    keys = names(4)
+    tensors = [torch.full((64, 64), float(i)) for i in range(4)]
+    await tier.put_many(list(zip(keys, tensors)))
+    be: DiskBackend = tier.backend  # type: ignore[assignment]
+    flip, trunc, garbage = (be.path_of(k) for k in keys[:3])
+    data = bytearray(flip.read_bytes())
+    data[-100] ^= 0x01
+    flip.write_bytes(bytes(data))
+    trunc.write_bytes(trunc.read_bytes()[:-10])
+    garbage.write_bytes(b"\x00garbage header" * 50)
+    got = await tier.get_many(keys)
+    assert got[:3] == [None, None, None]
+    assert got[3] is not None and torch.equal(got[3], tensors[3])
+    assert tier.counters.corrupt == 3 and tier.counters.hits == 1
+    assert be.counters.quarantined == 3
+    assert len(list((tmp_path / "quarantine").glob("*.reason"))) == 3
+    assert await be.contains_many(keys[:3]) == [False] * 3  # out of service, not served again
+
+
+async def test_interrupted_write_is_invisible_and_cleaned(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path)
+    await be.put("ns/whole", b"whole")
+    torn = be.path_of("ns/torn").parent / ".999-1.tmp"  # what a crash mid-write leaves
+    torn.parent.mkdir(exist_ok=True)
+    torn.write_bytes(b"half a frame")
+    assert [i.name async for i in be.list()] == ["ns/whole"]
+    assert await be.contains_many(["ns/torn"]) == [False]
+    reopened = DiskBackend(tmp_path)  # the next open cleans up
+    assert not torn.exists()
+    assert reopened.stats().objects == 1
+
+
+async def test_concurrent_writers_of_one_key_publish_a_whole_object(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, fsync=False)
+    payloads = [bytes([i]) * 200_000 for i in range(8)]
+    assert all(await be.put_many([("k/one", p) for p in payloads]))
+    got = bytes(await be.get("k/one"))
+    assert got in payloads
+    assert be.stats().objects == 1 and be.stats().bytes == 200_000
+    assert list((tmp_path / "objects").rglob(".*")) == []
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    ["../escape", "/etc/passwd", "a/../../b", "a\x00b", "x" * 1000, "./a", "a/./b", ""],
+    ids=range(8),
+)
+async def test_hostile_names_cannot_escape_the_root(tmp_path: Path, hostile: str) -> None:
+    root = tmp_path / "root"
+    be = DiskBackend(root)
+    assert await be.put_many([(hostile, b"x")]) == [False]
+    assert be.counters.put_errors == 1
+    assert await be.get_many([hostile]) == [None]
+    outside = [p for p in tmp_path.rglob("*") if not str(p).startswith(str(root))]
+    assert outside == []
+
+
+async def test_odd_but_legal_names_stay_inside(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path / "root")
+    odd = ["..a/b", "a/..b", "%2e%2e/x", "~x/y", "a" * 60 + "/" + "b" * 170]
+    assert all(await be.put_many([(n, n.encode()) for n in odd]))
+    for p in tmp_path.rglob("*"):
+        assert p.resolve().is_relative_to((tmp_path / "root").resolve())
+    reopened = DiskBackend(tmp_path / "root")
+    assert sorted([i.name async for i in reopened.list()]) == sorted(odd)
+    assert [bytes(v) for v in await reopened.get_many(odd)] == [n.encode() for n in odd]
+
+
+async def test_budget_is_never_exceeded_and_eviction_is_lru(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, capacity=10 * 1000, fsync=False)
+    keys = [f"ns/k{i}" for i in range(10)]
+    for k in keys:
+        assert await be.put(k, b"x" * 1000)
+    await be.get("ns/k0")  # k0 is now the most recently used
+    for i in range(10, 15):
+        assert await be.put(f"ns/k{i}", b"y" * 1000)
+        assert be.stats().bytes <= 10_000
+    present = await be.contains_many(keys)
+    assert present == [True, False, False, False, False, False, True, True, True, True]
+    assert be.counters.evictions == 5
+    assert sum(p.stat().st_size for p in (tmp_path / "objects").rglob("*") if p.is_file()) <= 10_000
+    assert await be.put("ns/huge", b"z" * 20_000) is False  # larger than the whole budget
+
+
+async def test_concurrent_puts_respect_the_budget(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, capacity=50_000, fsync=False, concurrency=8)
+    ok = await be.put_many([(f"ns/c{i}", b"q" * 10_000) for i in range(20)])
+    assert sum(ok) == 20
+    assert be.stats().bytes <= 50_000
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "objects").rglob("*") if p.is_file())
+    assert on_disk <= 50_000
+
+
+async def test_lru_order_survives_a_restart(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, capacity=3000, fsync=False)
+    for i in range(3):
+        await be.put(f"ns/r{i}", b"x" * 1000)
+        os.utime(be.path_of(f"ns/r{i}"), (1000 + i, 1000 + i))
+    again = DiskBackend(tmp_path, capacity=3000, fsync=False)
+    await again.put("ns/r3", b"x" * 1000)
+    assert await again.contains_many([f"ns/r{i}" for i in range(4)]) == [False, True, True, True]
+
+
+async def test_permission_denied_is_a_counted_error(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to drop to another user")
+    await DiskBackend(tmp_path).put("a/b", b"x")
+    for p in [tmp_path, *tmp_path.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o600)  # readable and writable by root only
+    code = (
+        "import asyncio, os, concurrent.futures.thread  # imported before root-only paths go dark\n"
+        "from kvstore.backends.disk import DiskBackend\n"
+        f"b = DiskBackend({str(tmp_path)!r})\n"
+        "os.setgid(65534); os.setuid(65534)  # now a stranger to the files\n"
+        "ok = asyncio.run(b.put('a/c', b'y')); got = asyncio.run(b.get('a/b'))\n"
+        "print(ok, got, b.counters.put_errors, b.counters.get_errors)\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        "python3", "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().split() == ["False", "None", "1", "1"]
+
+
+async def test_unwritable_directory_is_a_counted_error(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path)
+    shard = be.path_of("a/b").parent
+    shard.write_text("a file where a shard directory should be")  # every write there fails
+    assert await be.put_many([("a/b", b"x")]) == [False]
+    assert be.counters.put_errors == 1
+
+
+async def test_disk_full_is_a_counted_error(tmp_path: Path) -> None:
+    root = tmp_path / "small"
+    root.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        be = DiskBackend(root, fsync=False)
+        assert await be.put("a/small", b"s" * 1000)
+        assert await be.put("a/big", b"x" * (1 << 20)) is False  # ENOSPC
+        assert be.counters.put_errors == 1
+        assert await be.contains_many(["a/big"]) == [False]
+        assert list(root.rglob(".*")) == []  # the partial temp file is gone
+        assert bytes(await be.get("a/small")) == b"s" * 1000
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
+
+
+async def test_vanished_file_is_a_miss(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path)
+    await be.put("a/b", b"x")
+    be.path_of("a/b").unlink()
+    assert await be.get("a/b") is None
+    assert be.counters.misses == 1 and be.stats().objects == 0
+
+
+def test_bad_urls_say_what_to_write(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        open_backend(f"file://{tmp_path}?capacty=1GiB")
+    with pytest.raises(ValueError, match="size"):
+        open_backend(f"file://{tmp_path}?capacity=lots")
+    with pytest.raises(ValueError, match="scheme"):
+        open_backend("ftp://x")
+    with pytest.raises(ValueError, match="local path"):
+        open_backend("file://remotehost/x")

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kvstore import codec
+from kvstore.frame import (
+    PREFIX_LEN,
+    BadMagicError,
+    ChecksumMismatchError,
+    CorruptHeaderError,
+    FrameError,
+    LengthMismatchError,
+    UnsupportedVersionError,
+    decode_frame,
+    encode_frame,
+)
+
+
+def frame(payload: bytes = b"hello kv") -> bytearray:
+    return bytearray(b"".join(encode_frame([payload], codec="raw", key="k", meta={"a": 1})))
+
+
+def test_round_trip_payload_is_a_view() -> None:
+    buf = frame()
+    f = decode_frame(buf)
+    assert bytes(f.payload) == b"hello kv"
+    assert f.header.key == "k" and f.header.meta == {"a": 1}
+    buf[-1] ^= 0  # payload is a view into buf, not a copy
+    assert f.payload.obj is buf or f.payload.nbytes == 8
+
+
+def test_payload_parts_are_not_joined() -> None:
+    parts = encode_frame([b"ab", memoryview(b"cd")], codec="raw")
+    assert [bytes(p) for p in parts[1:]] == [b"ab", b"cd"]
+    assert bytes(decode_frame(b"".join(parts)).payload) == b"abcd"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda b: b.__setitem__(0, ord("X")), BadMagicError),
+        (lambda b: b.__setitem__(4, 99), UnsupportedVersionError),
+        (lambda b: b.__setitem__(PREFIX_LEN + 3, b[PREFIX_LEN + 3] ^ 0xFF), CorruptHeaderError),
+        (lambda b: b.__setitem__(len(b) - 1, b[-1] ^ 1), ChecksumMismatchError),
+        (lambda b: b.__delitem__(slice(len(b) - 3, None)), LengthMismatchError),
+        (lambda b: b.extend(b"xx"), LengthMismatchError),
+        (lambda b: b.__delitem__(slice(10, None)), LengthMismatchError),
+        (lambda b: struct.pack_into("<I", b, 8, 1 << 30), LengthMismatchError),
+    ],
+)
+def test_every_defect_raises_a_frame_error(mutate, error) -> None:  # type: ignore[no-untyped-def]
+    buf = frame()
+    mutate(buf)
+    with pytest.raises(error):
+        decode_frame(buf)
+
+
+def test_garbage_is_a_frame_error() -> None:
+    for junk in (b"", b"KVSF", b"\x00" * 64, b"not a frame at all" * 10):
+        with pytest.raises(FrameError):
+            decode_frame(junk)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.int8])
+def test_raw_codec_contract(dtype: torch.dtype) -> None:
+    raw = codec.get("raw")
+    t = (torch.randn(2, 3, 5, 7) * 10).to(dtype)
+    blob = raw.encode(t)
+    back = raw.decode(blob)
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+    bad = bytearray(blob)
+    bad[-2] ^= 0x10
+    with pytest.raises(FrameError):
+        raw.decode(bad)
+
+
+def test_raw_codec_non_contiguous_and_empty() -> None:
+    raw = codec.get("raw")
+    t = torch.randn(4, 6).t()
+    assert torch.equal(raw.decode(raw.encode(t)), t)
+    e = torch.empty(0, 3)
+    assert raw.decode(raw.encode(e)).shape == (0, 3)
+
+
+def test_unknown_codec_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="raw"):
+        codec.get("zstd-magic")

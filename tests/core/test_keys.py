@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from kvstore.keys import (
+    ChunkKey,
+    InvalidKeyError,
+    check_object_name,
+    escape_component,
+    namespace_prefix,
+)
+
+
+def test_round_trip_with_negative_hash() -> None:
+    key = ChunkKey("meta-llama/Llama-3.1-8B", 2, 1, -0x1234ABCD, "vllm", "tenant-a")
+    name = key.object_name()
+    assert name.startswith(namespace_prefix("tenant-a", "meta-llama/Llama-3.1-8B"))
+    assert "-1234abcd" in name
+    assert ChunkKey.from_object_name(name) == key
+
+
+@pytest.mark.parametrize("chunk_hash", [0, 1, -1, 2**63, -(2**63), b"\x00\xff", "abc", "deadbeef", "../x"])
+def test_hash_kinds_round_trip(chunk_hash: int | str | bytes) -> None:
+    key = ChunkKey("m", 1, 0, chunk_hash)
+    assert ChunkKey.from_object_name(key.object_name()).chunk_hash == chunk_hash
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    ["..", "../../etc/passwd", "/abs/path", "a\x00b", ".", "", "x" * 5000, "a/b", "ü/..", "%2F"],
+    ids=range(10),
+)
+def test_hostile_components_stay_one_safe_segment(hostile: str) -> None:
+    name = ChunkKey(hostile, 1, 0, 7, hostile, hostile).object_name()
+    segments = name.split("/")
+    assert len(segments) == 4
+    assert not name.startswith("/")
+    assert "\x00" not in name and ".." not in segments and "." not in segments
+    assert len(name) <= 320
+    check_object_name(name)
+
+
+def test_namespaces_cannot_share_a_prefix() -> None:
+    a = ChunkKey("m", 1, 0, 1, namespace="a").object_name()
+    ab = ChunkKey("m", 1, 0, 1, namespace="a/b").object_name()
+    assert not ab.startswith(namespace_prefix("a"))
+    assert a.startswith(namespace_prefix("a"))
+
+
+@given(st.text(max_size=60), st.text(max_size=60), st.text(max_size=30), st.integers())
+def test_any_text_round_trips(ns: str, model: str, fmt: str, h: int) -> None:
+    assume(all("~" not in escape_component(t) for t in (ns, model, fmt)))  # not digested
+    key = ChunkKey(model, 4, 3, h, fmt, ns)
+    assert ChunkKey.from_object_name(key.object_name()) == key
+
+
+@pytest.mark.parametrize("bad", ["", "/a", "a//b", "a/../b", "a/./b", "a\x00", "a\\b", "x" * 400])
+def test_check_object_name_rejects(bad: str) -> None:
+    with pytest.raises(InvalidKeyError):
+        check_object_name(bad)
+
+
+def test_worker_outside_world_is_rejected() -> None:
+    with pytest.raises(InvalidKeyError, match="world_size"):
+        ChunkKey("m", 2, 2, 1).object_name()
+
+
+def test_long_components_are_digested_distinctly() -> None:
+    a = ChunkKey("m" * 500 + "a", 1, 0, 1).object_name()
+    b = ChunkKey("m" * 500 + "b", 1, 0, 1).object_name()
+    assert a != b and len(a) < 200
+    with pytest.raises(InvalidKeyError, match="digest"):
+        ChunkKey.from_object_name(a)

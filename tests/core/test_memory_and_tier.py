@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvstore.backends import open_backend
+from kvstore.backends.memory import MemoryBackend
+from kvstore.tier import Tier
+
+
+async def test_memory_round_trip_and_zero_copy() -> None:
+    be = open_backend("mem://")
+    data = bytearray(b"abc" * 1000)
+    assert await be.put_many([("a/1", data), ("a/2", [b"x", b"y"])]) == [True, True]
+    data[0] = ord("Z")  # the store owns its copy
+    v1, v2, miss = await be.get_many(["a/1", "a/2", "a/3"])
+    assert bytes(v1) == b"abc" * 1000 and bytes(v2) == b"xy" and miss is None
+    v1b = await be.get("a/1")
+    assert v1b.obj is v1.obj  # zero-copy: both views share the stored object
+    assert v1.readonly
+
+
+async def test_memory_budget_and_lru() -> None:
+    be = MemoryBackend("mem://", capacity=3000)
+    for i in range(3):
+        await be.put(f"a/{i}", b"x" * 1000)
+    await be.get("a/0")
+    await be.put("a/3", b"x" * 1000)
+    assert await be.contains_many([f"a/{i}" for i in range(4)]) == [True, False, True, True]
+    assert be.stats().bytes == 3000 and be.counters.evictions == 1
+    assert await be.put("a/big", b"x" * 4000) is False
+
+
+async def test_named_memory_stores_are_shared() -> None:
+    a = open_backend("mem://shared-test")
+    b = open_backend("mem://shared-test")
+    await a.put("x/y", b"1")
+    assert bytes(await b.get("x/y")) == b"1"
+    await a.delete_many(["x/y"])
+
+
+@pytest.mark.parametrize("url", ["mem://", "file://{tmp}"])
+async def test_tier_tensor_round_trip_and_out(url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    tier = Tier.open(url.format(tmp=tmp_path))
+    t = torch.randn(2, 4, 16, 192, dtype=torch.bfloat16)
+    assert await tier.put_many([("ns/t", t)], layout="KV_2LTD") == [True]
+    (back,) = await tier.get_many(["ns/t"])
+    assert torch.equal(back, t)
+    out = torch.empty_like(t)
+    (same,) = await tier.get_many(["ns/t"], out=[out])
+    assert same is out and torch.equal(out, t)
+    frames = await tier.get_frames(["ns/t"])
+    assert frames[0].header.layout == "KV_2LTD" and frames[0].header.key == "ns/t"
+
+
+async def test_tier_refuses_a_frame_stored_under_another_name() -> None:
+    tier = Tier.open("mem://")
+    await tier.put_many([("ns/a", torch.ones(3))])
+    (raw,) = await tier.backend.get_many(["ns/a"])
+    await tier.backend.put("ns/b", raw)  # a mis-filed object
+    assert await tier.get_many(["ns/b"]) == [None]
+    assert tier.counters.corrupt == 1

@@ -1,0 +1,220 @@
+"""The LMCache connectors driven directly: whole-chunk and layerwise, with and without
+the staging path, and the layerwise generator protocol step by step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpu_kvgen import make_caches, random_requests
+from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
+from lmcache.v1.memory_management import MemoryFormat
+
+from kvstore.gpu import PagedKVCache, PinnedPool
+from kvstore.gpu.connector import LayerwisePagedKVConnector, PagedKVConnector, make_connector
+
+LENGTHS = [16, 16, 16, 5]  # chunks of one request; the last chunk is partial
+ALLOC = AdHocMemoryAllocator("cpu")
+
+
+def _sequence(layout: str, seed: int):
+    """A request's paged caches plus a full-sequence slot mapping over shuffled blocks."""
+    caches = make_caches(layout, seed=seed)
+    lay = PagedKVCache(caches).layout
+    slots = torch.cat(
+        random_requests([sum(LENGTHS)], num_blocks=lay.num_blocks, block_size=lay.block_size, seed=seed).slots
+    )
+    starts, ends, at = [], [], 0
+    for n in LENGTHS:
+        starts.append(at)
+        ends.append(at + n)
+        at += n
+    return caches, slots, starts, ends
+
+
+@pytest.mark.parametrize("stage_all", [False, True])
+def test_whole_chunk_store_then_retrieve_into_fresh_caches(layout, stage_all):
+    caches, slots, starts, ends = _sequence(layout, seed=5)
+    pool = PinnedPool(min_buffer_bytes=1024)
+    conn = PagedKVConnector(caches, stage_all=stage_all, pool=pool)
+    fmt = MemoryFormat.KV_MLA_FMT if layout == "mla" else MemoryFormat.KV_2LTD
+    objs = [ALLOC.allocate(conn.get_shape(e - s), caches[0].dtype, fmt=fmt) for s, e in zip(starts, ends)]
+    conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots)
+    src = PagedKVCache(caches)
+    for obj, s, e in zip(objs, starts, ends):
+        assert obj.metadata.fmt == fmt
+        assert torch.equal(obj.tensor, src.gather(slots[s:e]))
+
+    fresh = make_caches(layout, fill="zeros")
+    lay = src.layout
+    fresh_slots = random_requests(
+        [sum(LENGTHS)], num_blocks=lay.num_blocks, block_size=lay.block_size, seed=9
+    ).slots[0]
+    loader = PagedKVConnector(stage_all=stage_all, pool=pool, **_dims(conn))
+    loader.batched_to_gpu(objs, starts, ends, kvcaches=fresh, slot_mapping=fresh_slots)
+    assert torch.equal(PagedKVCache(fresh).gather(fresh_slots), src.gather(slots))
+    if stage_all:
+        assert pool.stats.allocations >= 1 and pool.stats.reuses >= 1  # buffers came back and were reused
+
+
+def _dims(conn) -> dict:
+    return dict(num_layers=conn.num_layers, hidden_dim_size=conn.hidden_dim_size, use_mla=conn.use_mla)
+
+
+def test_vllm_cached_prefix_is_not_overwritten():
+    caches, slots, starts, ends = _sequence("flash_attn", seed=6)
+    conn = PagedKVConnector(caches)
+    objs = [ALLOC.allocate(conn.get_shape(e - s), torch.float32) for s, e in zip(starts, ends)]
+    conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots)
+    fresh = make_caches("flash_attn", fill="zeros")
+    PagedKVConnector(fresh).batched_to_gpu(objs, starts, ends, slot_mapping=slots, vllm_cached_tokens=20)
+    got = PagedKVCache(fresh).gather(slots)
+    want = PagedKVCache(caches).gather(slots)
+    assert torch.count_nonzero(got[:, :, :20]) == 0  # vLLM's own tokens left alone
+    assert torch.equal(got[:, :, 20:], want[:, :, 20:])
+
+
+def test_missing_kwargs_and_wrong_formats_say_what_to_do():
+    caches, slots, _, _ = _sequence("flash_infer", seed=7)
+    conn = PagedKVConnector(num_layers=3, hidden_dim_size=12, use_mla=False)
+    obj = ALLOC.allocate(conn.get_shape(16), torch.float32)
+    with pytest.raises(ValueError, match="kvcaches"):
+        conn.from_gpu(obj, 0, 16, slot_mapping=slots)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        conn.from_gpu(obj, 0, 16, kvcaches=caches)
+    obj.metadata.fmt = MemoryFormat.KV_T2D
+    with pytest.raises(ValueError, match="KV_T2D"):
+        conn.to_gpu(obj, 0, 16, kvcaches=caches, slot_mapping=slots)
+    with pytest.raises(ValueError, match="num_layers"):
+        PagedKVConnector(caches, num_layers=4)
+    with pytest.raises(ValueError, match="num_layers, hidden_dim_size and use_mla"):
+        PagedKVConnector()
+
+
+def _layer_objs(conn, starts, ends, dtype):
+    fmt = MemoryFormat.KV_MLA_FMT if conn.use_mla else MemoryFormat.KV_T2D
+    return [
+        [ALLOC.allocate(conn.get_shape(e - s), dtype, fmt=fmt) for s, e in zip(starts, ends)]
+        for _ in range(conn.num_layers)
+    ]
+
+
+@pytest.mark.parametrize("stage_all", [False, True])
+def test_layerwise_store_protocol(layout, stage_all):
+    """L + 1 next() calls; call c queues layer c and completes layer c - 1 (the engine puts
+    that one when the call returns); layers after c are untouched. On CPU the direct path
+    finishes a layer as it is queued; the staged path only at the next call."""
+    caches, slots, starts, ends = _sequence(layout, seed=8)
+    conn = LayerwisePagedKVConnector(caches, stage_all=stage_all, pool=PinnedPool(min_buffer_bytes=1024))
+    objs = _layer_objs(conn, starts, ends, caches[0].dtype)
+    for layer_objs in objs:
+        for obj in layer_objs:
+            obj.tensor.zero_()
+    src = PagedKVCache(caches)
+    want = [
+        [src.gather(slots[s:e])[:, layer].transpose(0, 1) for s, e in zip(starts, ends)]  # [T, K, W]
+        for layer in range(conn.num_layers)
+    ]
+    gen = conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots, sync=True)
+    num_layers = conn.num_layers
+    fmt = MemoryFormat.KV_MLA_FMT if layout == "mla" else MemoryFormat.KV_T2D
+    for call in range(num_layers + 1):
+        next(gen)
+        complete_upto = call - 1 if stage_all else call
+        for layer in range(num_layers):
+            for obj, w in zip(objs[layer], want[layer]):
+                got = obj.tensor.reshape(w.shape)
+                if layer <= complete_upto:
+                    assert torch.equal(got, w), (call, layer)
+                    assert obj.metadata.fmt == fmt
+                else:
+                    assert torch.count_nonzero(got) == 0, (call, layer)
+    with pytest.raises(StopIteration):
+        next(gen)
+
+
+@pytest.mark.parametrize("stage_all", [False, True])
+def test_layerwise_load_protocol(layout, stage_all):
+    """next(), then send(layer i objects) for each layer, then next(): L + 2 steps."""
+    caches, slots, starts, ends = _sequence(layout, seed=10)
+    store = LayerwisePagedKVConnector(caches)
+    objs = _layer_objs(store, starts, ends, caches[0].dtype)
+    gen = store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True)
+    for _ in gen:
+        pass
+
+    fresh = make_caches(layout, fill="zeros")
+    load = LayerwisePagedKVConnector(fresh, stage_all=stage_all, pool=PinnedPool(min_buffer_bytes=1024))
+    gen = load.batched_to_gpu(starts, ends, kvcaches=fresh, slot_mapping=slots, sync=True)
+    next(gen)
+    dst, src = PagedKVCache(fresh), PagedKVCache(caches)
+    for layer in range(load.num_layers):
+        gen.send(objs[layer])
+        # On CPU the copy is synchronous: layer `layer` is in place, the next is not yet.
+        assert torch.equal(dst.gather(slots)[:, layer], src.gather(slots)[:, layer])
+        if layer + 1 < load.num_layers:
+            assert torch.count_nonzero(dst.gather(slots)[:, layer + 1]) == 0
+    next(gen)
+    with pytest.raises(StopIteration):
+        next(gen)
+    assert torch.equal(dst.gather(slots), src.gather(slots))
+
+
+def test_layerwise_load_skips_vllm_cached_tokens_and_checks_send():
+    caches, slots, starts, ends = _sequence("mla", seed=11)
+    store = LayerwisePagedKVConnector(caches)
+    objs = _layer_objs(store, starts, ends, caches[0].dtype)
+    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots):
+        pass
+    fresh = make_caches("mla", fill="zeros")
+    load = make_connector(fresh, layerwise=True)
+    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, vllm_cached_tokens=33, sync=False)
+    next(gen)
+    for layer in range(load.num_layers):
+        gen.send(objs[layer])
+    next(gen)
+    got, want = PagedKVCache(fresh).gather(slots), PagedKVCache(caches).gather(slots)
+    assert torch.count_nonzero(got[:, :, :33]) == 0
+    assert torch.equal(got[:, :, 33:], want[:, :, 33:])
+
+    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots)
+    next(gen)
+    with pytest.raises(ValueError, match="one per chunk"):
+        gen.send(objs[0][:2])
+
+
+def test_layerwise_single_chunk_calls_are_refused():
+    conn = LayerwisePagedKVConnector(make_caches("flash_attn"))
+    with pytest.raises(NotImplementedError, match="generator"):
+        conn.to_gpu(None, 0, 1)
+    assert conn.get_shape(7) == torch.Size([7, 2, 12])
+    assert PagedKVConnector(make_caches("mla")).get_shape(7) == torch.Size([1, 3, 7, 10])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_cuda_caches_with_host_memory_objects(layout, layerwise):
+    """CUDA caches, pageable host memory objects: copy stream + pinned staging path."""
+    caches, slots, starts, ends = _sequence(layout, seed=12)
+    gpu_caches = [c.cuda() for c in caches]
+    gpu_slots = slots.cuda()
+    fresh = [torch.zeros_like(c) for c in gpu_caches]
+    if layerwise:
+        conn = LayerwisePagedKVConnector(gpu_caches)
+        objs = _layer_objs(conn, starts, ends, caches[0].dtype)
+        for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=gpu_slots, sync=True):
+            pass
+        load = LayerwisePagedKVConnector(fresh)
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=gpu_slots, sync=True)
+        next(gen)
+        for layer in range(load.num_layers):
+            gen.send(objs[layer])
+        next(gen)
+    else:
+        conn = PagedKVConnector(gpu_caches)
+        objs = [ALLOC.allocate(conn.get_shape(e - s), caches[0].dtype) for s, e in zip(starts, ends)]
+        conn.batched_from_gpu(objs, starts, ends, slot_mapping=gpu_slots)
+        for obj, s, e in zip(objs, starts, ends):
+            assert torch.equal(obj.tensor, PagedKVCache(caches).gather(slots[s:e]))
+        PagedKVConnector(fresh).batched_to_gpu(objs, starts, ends, slot_mapping=gpu_slots)
+    torch.cuda.synchronize()
+    assert torch.equal(PagedKVCache(fresh).gather(gpu_slots).cpu(), PagedKVCache(caches).gather(slots))

@@ -1,0 +1,99 @@
+"""ls / stat / verify / gc through the command line, on a real disk store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+from kvstore.backends.disk import DiskBackend
+from kvstore.cli.main import cli
+from kvstore.keys import ChunkKey
+from kvstore.tier import Tier
+
+
+def populate(root: Path) -> list[str]:
+    async def go() -> list[str]:
+        tier = Tier(DiskBackend(root, fsync=False))
+        names = []
+        for i in range(6):
+            ns = "a" if i < 4 else "b"
+            name = ChunkKey("llama", 1, 0, i, namespace=ns).object_name()
+            await tier.put_many([(name, torch.full((1024,), float(i)))])
+            names.append(name)
+        return names
+
+    return asyncio.run(go())
+
+
+def run(*args: str) -> tuple[int, str]:
+    res = CliRunner().invoke(cli, list(args))
+    return res.exit_code, res.output
+
+
+def test_ls_and_stat(tmp_path: Path) -> None:
+    names = populate(tmp_path)
+    code, out = run("ls", tmp_path.as_uri(), "--json")
+    assert code == 0
+    listed = [json.loads(line) for line in out.splitlines()]
+    assert sorted(x["name"] for x in listed) == sorted(names)
+    code, out = run("ls", tmp_path.as_uri(), "--namespace", "b")
+    assert code == 0 and len(out.splitlines()) == 2
+    code, out = run("stat", tmp_path.as_uri(), "--json")
+    st = json.loads(out)
+    assert st["objects"] == 6
+    assert st["by_namespace"]["a"]["objects"] == 4 and st["by_namespace"]["b"]["objects"] == 2
+    assert st["by_codec"]["raw"]["objects"] == 6
+    assert st["by_age"]["<1h"]["objects"] == 6
+
+
+def test_verify_finds_a_bit_flip_and_quarantines(tmp_path: Path) -> None:
+    names = populate(tmp_path)
+    be = DiskBackend(tmp_path)
+    p = be.path_of(names[3])
+    blob = bytearray(p.read_bytes())
+    blob[len(blob) // 2] ^= 0x08
+    p.write_bytes(bytes(blob))
+    code, out = run("verify", tmp_path.as_uri(), "--json")
+    report = json.loads(out)
+    assert code == 1 and list(report["bad"]) == [names[3]] and report["ok"] == 5
+    assert "Checksum" in report["bad"][names[3]]
+    code, out = run("verify", tmp_path.as_uri(), "--quarantine", "--json")
+    assert json.loads(out)["quarantined"] == 1
+    code, out = run("verify", tmp_path.as_uri(), "--json")
+    assert code == 0 and json.loads(out)["ok"] == 5
+    assert any((tmp_path / "quarantine").iterdir())
+
+
+def test_gc_budget_oldest_first_and_age(tmp_path: Path) -> None:
+    names = populate(tmp_path)
+    be = DiskBackend(tmp_path)
+    size = be.path_of(names[0]).stat().st_size
+    # make creation order explicit: rewrite frames' ctime via mtime fallback is not used; frames carry ctime
+    code, out = run("gc", tmp_path.as_uri(), "--max-bytes", str(3 * size), "--dry-run", "--json")
+    dry = json.loads(out)
+    assert dry["deleted"] == names[:3] and len(list(be._entries())) == 6
+    code, out = run("gc", tmp_path.as_uri(), "--max-bytes", str(3 * size), "--json")
+    assert code == 0 and json.loads(out)["after_bytes"] <= 3 * size
+    left = sorted(i for i, _ in DiskBackend(tmp_path)._entries())
+    assert left == sorted(names[3:])  # the oldest went first
+    code, out = run("gc", tmp_path.as_uri(), "--older-than", "1h", "--json")
+    assert json.loads(out)["deleted"] == []
+    time.sleep(1.1)
+    code, out = run("gc", tmp_path.as_uri(), "--older-than", "1s", "--namespace", "b", "--json")
+    assert sorted(json.loads(out)["deleted"]) == sorted(names[4:])
+
+
+def test_clear_errors_and_exit_codes(tmp_path: Path) -> None:
+    code, out = run("ls", "ftp://nowhere")
+    assert code == 2 and "unknown backend scheme" in out
+    code, out = run("gc", tmp_path.as_uri())
+    assert code == 2 and "--older-than" in out
+    code, out = run("gc", tmp_path.as_uri(), "--older-than", "soon")
+    assert code == 2 and "duration" in out
+    assert os.path.exists(tmp_path)

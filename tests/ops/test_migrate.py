@@ -1,0 +1,180 @@
+"""Migration between mem and disk backends, resumability after kill -9, recode, corruption."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvstore.backends import open_backend
+from kvstore.backends.disk import DiskBackend
+from kvstore.keys import ChunkKey
+from kvstore.ops.migrate import MigrateOptions, migrate
+from kvstore.tier import Tier
+
+
+def key(i: int, ns: str = "tenant", model: str = "m") -> str:
+    return ChunkKey(model, 1, 0, i - 5, namespace=ns).object_name()
+
+
+async def fill(
+    url: str, n: int, shape: tuple[int, ...] = (2, 4, 16, 64), ns: str = "tenant", model: str = "m"
+) -> dict[str, torch.Tensor]:
+    tier = Tier.open(url)
+    data = {key(i, ns, model): torch.randn(shape, dtype=torch.float16) for i in range(n)}
+    assert all(await tier.put_many(list(data.items()), layout="KV_2LTD"))
+    return data
+
+
+async def assert_same(url: str, data: dict[str, torch.Tensor]) -> None:
+    got = await Tier.open(url).get_many(list(data))
+    for (name, want), have in zip(data.items(), got):
+        assert have is not None, name
+        assert torch.equal(have, want), name
+
+
+@pytest.mark.parametrize("pair", ["mem->file", "file->mem", "file->file", "mem->mem"])
+async def test_migrate_pairs_byte_equal(tmp_path: Path, pair: str) -> None:
+    urls = {"mem": f"mem://src-{pair}", "file": (tmp_path / "a").as_uri()}
+    src_kind, dst_kind = pair.split("->")
+    src_url = urls[src_kind] if src_kind == "mem" else (tmp_path / "src").as_uri()
+    dst_url = f"mem://dst-{pair}" if dst_kind == "mem" else (tmp_path / "dst").as_uri()
+    data = await fill(src_url, 12)
+    src, dst = open_backend(src_url), open_backend(dst_url)
+    report = await migrate(src, dst, MigrateOptions(journal=tmp_path / "j.jsonl"))
+    assert (report.copied, report.failed, report.corrupt) == (12, [], [])
+    await assert_same(dst_url, data)
+    raw_src = await src.get_many(list(data))
+    raw_dst = await dst.get_many(list(data))
+    assert [bytes(a) for a in raw_src] == [bytes(b) for b in raw_dst]  # frames copied as they are
+    again = await migrate(src, dst, MigrateOptions(journal=tmp_path / "j.jsonl"))
+    assert (again.copied, again.already_done) == (0, 12)  # idempotent
+
+
+async def test_filters_and_dry_run(tmp_path: Path) -> None:
+    src_url = (tmp_path / "src").as_uri()
+    a = await fill(src_url, 4, ns="a", model="m1")
+    await fill(src_url, 3, ns="b", model="m1")
+    await fill(src_url, 2, ns="a", model="m2")
+    src, dst = open_backend(src_url), open_backend("mem://filters")
+    dry = await migrate(
+        src, dst, MigrateOptions(namespace="a", model="m1", dry_run=True, journal=tmp_path / "d")
+    )
+    assert (dry.listed, dry.copied) == (4, 4) and await dst.contains_many(list(a)) == [False] * 4
+    by_model = await migrate(src, dst, MigrateOptions(model="m1", journal=tmp_path / "m"))
+    assert by_model.copied == 7
+    by_prefix = await migrate(
+        src, open_backend("mem://filters2"), MigrateOptions(prefix="b/", journal=tmp_path / "p")
+    )
+    assert by_prefix.copied == 3
+
+
+async def test_corrupt_source_object_is_reported_not_copied(tmp_path: Path) -> None:
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 5)
+    names = list(data)
+    src = DiskBackend(tmp_path / "src")
+    bad = src.path_of(names[2])
+    blob = bytearray(bad.read_bytes())
+    blob[-7] ^= 0x40
+    bad.write_bytes(bytes(blob))
+    dst = open_backend("mem://corrupt-dst")
+    report = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+    assert report.corrupt == [names[2]] and report.copied == 4
+    assert await dst.contains_many(names) == [True, True, False, True, True]
+    assert await src.contains_many([names[2]]) == [True]  # never deleted: nothing verified to replace it
+    assert report.deleted == 4
+
+
+async def test_delete_source_only_after_verified_write(tmp_path: Path) -> None:
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 6)
+    src = open_backend(src_url)
+    full = DiskBackend(tmp_path / "dst", capacity=3 * 10_000)  # room for ~3 objects of ~8 KiB
+    report = await migrate(
+        src, full, MigrateOptions(delete_source=True, concurrency=1, journal=tmp_path / "j")
+    )
+    # every object that left the source reads back intact from the destination
+    left = await src.contains_many(list(data))
+    assert report.deleted == sum(not x for x in left)
+    assert report.deleted + len(report.failed) == 6 or report.failed == []
+
+
+async def test_recode_raw_to_cachegen_shrinks(tmp_path: Path) -> None:
+    pytest.importorskip("kvstore.codec.cachegen")
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 4, shape=(2, 30, 256, 192))
+    dst_url = (tmp_path / "dst").as_uri()
+    report = await migrate(
+        open_backend(src_url),
+        open_backend(dst_url),
+        MigrateOptions(recode="cachegen", journal=tmp_path / "j"),
+    )
+    assert report.copied == 4
+    assert report.written_bytes * 3 < report.copied_bytes
+    got = await Tier.open(dst_url).get_many(list(data))
+    for have, want in zip(got, data.values()):
+        assert have.shape == want.shape and have.dtype == want.dtype
+        assert (
+            torch.nn.functional.cosine_similarity(have.float().flatten(), want.float().flatten(), dim=0)
+            > 0.95
+        )
+
+
+def test_kill_9_then_rerun_finishes_writing_each_object_once(tmp_path: Path) -> None:
+    src_url = (tmp_path / "src").as_uri()
+    dst_root = tmp_path / "dst"
+    data = asyncio.run(fill(src_url, 120, shape=(2, 8, 64, 256)))  # 120 x 512 KiB
+    env = {**os.environ, "KVSTORE_HOME": str(tmp_path / "home")}
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstore.cli.main",
+        "migrate",
+        src_url,
+        dst_root.as_uri(),
+        "--concurrency",
+        "1",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        n = (
+            sum(1 for p in (dst_root / "objects").rglob("*") if p.is_file() and not p.name.startswith("."))
+            if dst_root.exists()
+            else 0
+        )
+        if n >= 10:
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    survivors = {
+        p: p.stat().st_ino
+        for p in (dst_root / "objects").rglob("*")
+        if p.is_file() and not p.name.startswith(".")
+    }
+    assert 10 <= len(survivors) < 120, "the kill must land mid-migration"
+    out = subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout)
+    assert report["copied"] + report["already_done"] == 120
+    assert report["copied"] == 120 - len(survivors)  # each missing object written once, nothing twice
+    for path, inode in survivors.items():
+        assert path.stat().st_ino == inode  # what was done before the kill was not rewritten
+    asyncio.run(assert_same(dst_root.as_uri(), data))
+    verify = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "verify", dst_root.as_uri(), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0 and json.loads(verify.stdout)["ok"] == 120
