@@ -80,8 +80,10 @@ class CPUEngine:
         """Block until stores handed to LMCache's backends and to kvstore have ended."""
         deadline = time.monotonic() + timeout
         for backend in self.storage_backends().values():
-            while getattr(backend, "put_tasks", None) and time.monotonic() < deadline:
-                time.sleep(0.002)  # LMCache's remote backend: writes not yet handed over
+            # LMCache's remote backend and its local disk backend's worker track their writes
+            for owner in (backend, getattr(backend, "disk_worker", None)):
+                while getattr(owner, "put_tasks", None) and time.monotonic() < deadline:
+                    time.sleep(0.002)
         # a remote connector's batched puts are queued on LMCache's loop: once a no-op
         # queued after them has run, each has handed its write to kvstore
         asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.engine.storage_manager.loop).result(timeout)

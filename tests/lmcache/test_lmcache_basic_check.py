@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PLUGIN_EXTRA, REMOTE_EXTRA
+
+from tests.lmcache.helpers import PLUGIN_EXTRA, REMOTE_EXTRA
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,8 @@ import logging
 
 import pytest
 import torch
-from conftest import CHUNK, empty, random_kv
+
+from tests.lmcache.helpers import CHUNK, empty, random_kv
 
 PATHS = [("plugin", False), ("plugin", True), ("remote", False), ("remote", True)]
 IDS = ["plugin-sync", "plugin-async", "remote-sync", "remote-async"]

@@ -73,7 +73,9 @@ def test_cold_codec_sets_last_tier():
 )
 def test_errors_name_the_setting(mapping, message):
     with pytest.raises(StoreConfigError, match=message):
-        StoreConfig.from_mapping({"kvstore.tiers": ["mem://ok"], **mapping} if "kvstore.tiers" not in mapping else mapping)
+        StoreConfig.from_mapping(
+            {"kvstore.tiers": ["mem://ok"], **mapping} if "kvstore.tiers" not in mapping else mapping
+        )
 
 
 def test_timeout_below_lmcache_deadline():
