@@ -32,6 +32,28 @@ log = logging.getLogger(__name__)
 Out = Union["torch.Tensor", Callable[[FrameHeader], "torch.Tensor | None"], None]
 
 
+class BufferPool:
+    """Reused read buffers: a fresh 16 MiB ``bytearray`` costs page faults on every read
+    (~1.7 GiB/s here), a reused one does not.  Buffers return after their frame is decoded."""
+
+    def __init__(self, max_bytes: int = 512 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, list[bytearray]] = {}
+        self._pooled = 0
+
+    def take(self, size: int) -> bytearray:
+        free = self._free.get(size)
+        if free:
+            self._pooled -= size
+            return free.pop()
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        if self._pooled + len(buf) <= self.max_bytes:
+            self._free.setdefault(len(buf), []).append(buf)
+            self._pooled += len(buf)
+
+
 @dataclass
 class StackStats:
     tiers: list[str]
@@ -59,6 +81,7 @@ class TierStack:
         self._decode_errors = 0
         self._decoders: dict[str, codecs.Codec] = {}
         self._background: set[asyncio.Task] = set()
+        self._pool = BufferPool()
 
     @classmethod
     def open(cls, specs: Sequence[tuple[str, str]]) -> TierStack:
@@ -108,10 +131,23 @@ class TierStack:
         for ti, tier in enumerate(self.tiers):
             if not todo:
                 break
+            # in-memory tiers hand out zero-copy views; the others read into pooled buffers
+            pooled = (
+                not tier.backend.url.startswith("mem:") and out is not None and all(o is not None for o in out)
+            )
+            taken: list[bytearray] = []
+
+            def alloc(size: int, taken: list[bytearray] = taken) -> memoryview:
+                buf = self._pool.take(size)
+                taken.append(buf)
+                return memoryview(buf)
+
             try:
-                frames = await tier.get_frames([names[i] for i in todo])
+                frames = await tier.get_frames([names[i] for i in todo], alloc if pooled else None)
             except Exception as exc:
                 log.warning("kvstore: read from %s failed: %s", tier.name, exc)
+                for buf in taken:
+                    self._pool.give(buf)
                 continue
             still = []
             for i, frame in zip(todo, frames):
@@ -125,6 +161,9 @@ class TierStack:
                 result[i], source[i] = tensor, ti
                 self._hits[ti] += 1
                 self._hit_bytes[ti] += frame.payload.nbytes
+            del frames  # the payload views end here: decoded into `out` already
+            for buf in taken:
+                self._pool.give(buf)
             if ti > 0 and self.promote:
                 up = [(names[i], result[i]) for i in todo if source[i] == ti]
                 if up:
