@@ -133,7 +133,9 @@ class TierStack:
                 break
             # in-memory tiers hand out zero-copy views; the others read into pooled buffers
             pooled = (
-                not tier.backend.url.startswith("mem:") and out is not None and all(o is not None for o in out)
+                not tier.backend.url.startswith("mem:")
+                and out is not None
+                and all(o is not None for o in out)
             )
             taken: list[bytearray] = []
 

@@ -10,7 +10,9 @@ from plugins.keymap import chunk_key, object_name
 
 
 def _key(h: int, dtype=torch.bfloat16, **kw) -> CacheEngineKey:
-    return CacheEngineKey(model_name="org/Model-7B", world_size=2, worker_id=1, chunk_hash=h, dtype=dtype, **kw)
+    return CacheEngineKey(
+        model_name="org/Model-7B", world_size=2, worker_id=1, chunk_hash=h, dtype=dtype, **kw
+    )
 
 
 def test_negative_and_positive_hashes_differ_and_read_back():
