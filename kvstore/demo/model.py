@@ -78,16 +78,16 @@ def load_model(threads: int | None = None) -> DemoModel:
     if threads:
         torch.set_num_threads(threads)
     path = gguf_path()
-    quiet = os.environ.get("TQDM_DISABLE")
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF converter's own progress bar
-    try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    finally:
-        if quiet is None:
-            os.environ.pop("TQDM_DISABLE", None)
-        else:
-            os.environ["TQDM_DISABLE"] = quiet
+    try:  # the GGUF converter draws its own progress bar; the demo has one already
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except (ImportError, AttributeError):
+        pass
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     model.eval()
     with torch.inference_mode():  # first-call warm-up, so timed prefills compare like with like
         model(torch.arange(32).unsqueeze(0), use_cache=True)

