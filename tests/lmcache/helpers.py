@@ -54,3 +54,9 @@ def empty(tokens: int):
     from plugins.hf_connector import empty_kv
 
     return empty_kv(LAYERS, HEADS, tokens, HEAD_DIM, torch.bfloat16)
+
+
+def cpu_bytes_in_use(eng) -> int:
+    """Bytes LMCache's CPU allocator has handed out and not got back (0 = no leaked MemoryObj)."""
+    alloc = eng.engine.storage_manager.storage_backends["LocalCPUBackend"].get_memory_allocator()
+    return alloc.pin_allocator.total_allocated_size

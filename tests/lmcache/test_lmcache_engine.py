@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from tests.lmcache.helpers import CHUNK, empty, random_kv
+from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
 
 PATHS = [("plugin", False), ("plugin", True), ("remote", False), ("remote", True)]
 IDS = ["plugin-sync", "plugin-async", "remote-sync", "remote-async"]
@@ -37,6 +37,7 @@ def test_store_lookup_retrieve_is_bytes_equal(make_engine, path, asyncm):
     hit, got = eng.lookup_then_load(tokens, out)
     assert (hit, got) == (len(tokens), len(tokens))
     assert _same_prefix(kv, out, len(tokens))
+    assert cpu_bytes_in_use(eng) == 0, "every MemoryObj went back to LMCache's allocator"
 
 
 @pytest.mark.parametrize(("path", "asyncm"), PATHS, ids=IDS)
@@ -56,6 +57,7 @@ def test_partial_hit_returns_the_right_prefix(make_engine, path, asyncm):
 
     fresh = torch.arange(50_000, 50_000 + 2 * CHUNK)
     assert eng.lookup_then_load(fresh, empty(len(fresh))) == (0, 0)
+    assert cpu_bytes_in_use(eng) == 0
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from tests.lmcache.helpers import CHUNK, empty, random_kv
+from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
 from tests.support.seaweed import SeaweedS3, weed_binary
 
 BLOCKING_TIMEOUT = 5  # LMCACHE_BLOCKING_TIMEOUT_SECS the helpers set
@@ -65,6 +65,7 @@ def test_s3_killed_during_retrieve_is_a_shorter_hit(own_seaweed, make_engine, mo
     assert took < BLOCKING_TIMEOUT, f"retrieve took {took:.1f}s; the deadline is {BLOCKING_TIMEOUT}s"
     hit = int(mask.sum())
     assert not out[0][0][:, :, hit:].any(), "nothing past the shorter hit is written"
+    assert cpu_bytes_in_use(eng) == 0, "no MemoryObj is leaked by the failed reads"
 
     own_seaweed.restart()
     deadline = time.monotonic() + 30
