@@ -1,7 +1,8 @@
 """Project-wide test setup: every test gets its own KVSTORE_HOME; shared servers.
 
 Servers start only when a test asks for them, once per session:
-`seaweed` / `s3_env` / `s3_url` (SeaweedFS S3 on loopback).
+`seaweed` / `s3_env` / `s3_url` (SeaweedFS S3 on loopback), `redis_session` / `redis_url`
+(one redis-server; each URL gets its own key prefix).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 
 import pytest
 
+from tests.support.redis_server import RedisServer, redis_available
 from tests.support.seaweed import SeaweedS3, weed_binary
 
 
@@ -47,5 +49,24 @@ def s3_url(s3_env):
 
     def make(**options) -> str:
         return s3_env.url("kvstore-test", f"t{os.getpid()}-{next(_prefixes)}", **options)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def redis_session():
+    if not redis_available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def redis_url(redis_session):
+    """A Redis URL with a fresh key prefix for each call (tests never see each other's keys)."""
+
+    def make(**options: str) -> str:
+        query = "&".join(f"{k}={v}" for k, v in {"prefix": f"t{next(_prefixes)}:", **options}.items())
+        return f"{redis_session.url}?{query}"
 
     return make

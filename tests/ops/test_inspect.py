@@ -97,3 +97,19 @@ def test_clear_errors_and_exit_codes(tmp_path: Path) -> None:
     code, out = run("gc", tmp_path.as_uri(), "--older-than", "soon")
     assert code == 2 and "duration" in out
     assert os.path.exists(tmp_path)
+
+
+def test_unreachable_redis_is_exit_3_with_the_fix() -> None:
+    from tests.support.seaweed import free_port
+
+    code, out = run("stat", f"redis://127.0.0.1:{free_port()}/0?connect_timeout=0.5&timeout=1")
+    assert code == 3
+    assert "redis-server running" in out
+
+
+def test_wrong_s3_credentials_are_exit_3_with_the_fix(s3_url, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    url = s3_url()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    code, out = run("ls", url)
+    assert code == 3
+    assert "credential" in out.lower() or "signature" in out.lower()

@@ -59,10 +59,12 @@ async def test_migrate_pairs_byte_equal(tmp_path: Path, pair: str) -> None:
     assert (again.copied, again.already_done) == (0, 12)  # idempotent
 
 
-KINDS = ["mem", "file", "s3"]
+KINDS = ["mem", "file", "s3", "redis"]
 
 
-@pytest.mark.parametrize(("src_kind", "dst_kind"), [(a, b) for a in KINDS for b in KINDS if "s3" in (a, b)])
+@pytest.mark.parametrize(
+    ("src_kind", "dst_kind"), [(a, b) for a in KINDS for b in KINDS if {"s3", "redis"} & {a, b}]
+)
 async def test_migrate_pairs_with_servers_byte_equal(
     make_url, tmp_path: Path, src_kind: str, dst_kind: str
 ) -> None:  # type: ignore[no-untyped-def]

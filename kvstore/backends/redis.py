@@ -1,0 +1,625 @@
+"""Redis tier: ``redis://``, ``rediss://``, ``unix://`` and ``redis+cluster://`` on redis.asyncio.
+
+Owns: the connection pool (one per backend), batching (pipelines for small operations,
+bounded concurrent single commands for big values), multi-part values, TTLs, deadlines
+and fault handling.  Must not touch: frames, codecs, tensors.  Key layout and the
+manifest live in `kvstore.backends.redis_layout`.
+
+URLs::
+
+    redis://[[user]:password@]host:port[/db][?options]
+    rediss://...                         TLS (ssl_ca_certs, ssl_certfile, ssl_keyfile,
+                                         ssl_cert_reqs, ssl_check_hostname pass to redis-py)
+    unix://[[user]:password@]/path/to/redis.sock[?db=0&options]
+    redis+cluster://host:port,host:port,...[?options]    (rediss+cluster:// for TLS)
+
+Options: ``prefix`` (key prefix, default ``kv:``), ``ttl`` (seconds, every namespace),
+``ttl.<namespace>`` (seconds, one namespace; 0 = no expiry), ``part_size`` (largest
+single Redis value, default 512MiB, Redis's bulk limit), ``pipeline_max`` (values up to
+this size are pipelined, default 64KiB; bigger ones go as concurrent single commands,
+which measured faster here from 1 MiB up), ``inflight`` (big values in flight at once,
+default 4), ``timeout`` (seconds per batch, default 5, plus 1 s per 64 MiB moved),
+``connect_timeout`` (default 1), ``max_connections`` (default 32).  Credentials come
+from the URL or from ``KVSTORE_REDIS_USERNAME`` / ``KVSTORE_REDIS_PASSWORD``; they are
+never logged (`stats().url` is redacted).
+
+Faults (refused, reset, killed server, timeouts, errors from Redis) never escape: a
+failed put is False plus ``put_errors``, a failed get is None plus ``get_errors``.  The
+pool reconnects on the next call once the server is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from kvstore.backends import redis_layout as layout
+from kvstore.backends.base import (
+    Alloc,
+    Backend,
+    BackendStats,
+    BackendUnavailableError,
+    ObjectInfo,
+    Value,
+    as_parts,
+    bytearray_alloc,
+    parts_len,
+    redact_url,
+)
+from kvstore.backends.redis_wire import Gathered, gathering
+from kvstore.config import parse_size
+from kvstore.keys import InvalidKeyError, check_object_name
+
+log = logging.getLogger(__name__)
+
+#: Faults that become counted errors.  Anything else is a programming error and raises.
+FAULTS = (RedisError, OSError, asyncio.TimeoutError, ConnectionError, EOFError)
+
+_OPTIONS = {
+    "prefix",
+    "ttl",
+    "part_size",
+    "pipeline_max",
+    "inflight",
+    "timeout",
+    "connect_timeout",
+    "max_connections",
+}
+_REDIS_PY_OPTIONS = {
+    "db",
+    "ssl_ca_certs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_cert_reqs",
+    "ssl_check_hostname",
+}
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class RedisOptions:
+    """Tunables of one Redis backend (see the module docstring for their URL spelling)."""
+
+    prefix: str = layout.DEFAULT_PREFIX
+    ttl: float | None = None
+    ttl_by_namespace: tuple[tuple[str, float], ...] = ()
+    part_size: int = layout.REDIS_BULK_LIMIT
+    pipeline_max: int = 64 * 1024
+    inflight: int = 4
+    timeout: float = 5.0
+    seconds_per_64mib: float = 1.0
+    connect_timeout: float = 1.0
+    max_connections: int = 32
+
+    def deadline(self, nbytes: int) -> float:
+        """Seconds a batch moving `nbytes` may take before it is abandoned."""
+        return self.timeout + self.seconds_per_64mib * nbytes / (64 * MIB)
+
+
+def _flat(view: memoryview) -> memoryview:
+    """A caller's buffer as flat bytes (tensors' views come as '<B' or multi-dimensional)."""
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclass(slots=True)
+class Budget:
+    """Bytes a running batch moves; jobs add what they learn (multi-part totals)."""
+
+    nbytes: int = 0
+
+
+def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
+    """Split a URL query into our `RedisOptions` and the options redis-py understands."""
+    ours: dict[str, Any] = {}
+    ttls: list[tuple[str, float]] = []
+    passthrough: dict[str, str] = {}
+    for k, v in query.items():
+        if k.startswith("ttl."):
+            ttls.append((k[4:], float(v)))
+        elif k in ("ttl", "timeout", "connect_timeout"):
+            ours[k] = float(v)
+        elif k in ("part_size", "pipeline_max"):
+            ours[k] = parse_size(v)
+        elif k in ("inflight", "max_connections"):
+            ours[k] = int(v)
+        elif k == "prefix":
+            ours[k] = layout.check_prefix(v)
+        elif k in _REDIS_PY_OPTIONS:
+            passthrough[k] = v
+        else:
+            known = sorted(_OPTIONS | _REDIS_PY_OPTIONS | {"ttl.<namespace>"})
+            raise ValueError(f"unknown Redis URL option {k!r}; known: {known}")
+    part_size = ours.get("part_size") or layout.REDIS_BULK_LIMIT
+    if part_size > layout.REDIS_BULK_LIMIT:
+        raise ValueError(f"part_size {part_size} exceeds Redis's bulk limit of 512MiB")
+    ours["part_size"] = part_size
+    if ours.get("pipeline_max") is None:
+        ours.pop("pipeline_max", None)
+    return RedisOptions(ttl_by_namespace=tuple(ttls), **ours), passthrough
+
+
+class RedisBackend(Backend):
+    schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+
+    def __init__(self, url: str, client: Any, options: RedisOptions | None = None) -> None:
+        """Use `from_url`; `client` is a redis.asyncio ``Redis`` or ``RedisCluster``."""
+        super().__init__(url)
+        self.client = client
+        self.options = options or RedisOptions()
+        self.cluster = isinstance(client, RedisCluster)
+        self._ttls = dict(self.options.ttl_by_namespace)
+        self._big = asyncio.Semaphore(self.options.inflight)
+        self._failing = False
+        self._server: dict[str, Any] = {}
+        self._typical = 0  # size of the last single-part object moved: routes gets (see get_many)
+
+    # -- construction ------------------------------------------------------------
+    @classmethod
+    def from_url(cls, url: str, *, ttl_by_namespace: Mapping[str, float] | None = None) -> RedisBackend:
+        """Open from a URL (see the module docstring).
+
+        `ttl_by_namespace` is the configuration form of ``ttl.<namespace>=`` (seconds,
+        0 = never expire); URL values win over it.
+        """
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in cls.schemes:
+            raise ValueError(f"{url!r}: RedisBackend serves {', '.join(cls.schemes)}")
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        options, passthrough = parse_options(query)
+        if ttl_by_namespace:
+            merged = {**dict(ttl_by_namespace), **dict(options.ttl_by_namespace)}
+            options = dataclasses.replace(options, ttl_by_namespace=tuple(merged.items()))
+        username = unquote(parts.username) if parts.username else os.environ.get("KVSTORE_REDIS_USERNAME")
+        password = unquote(parts.password) if parts.password else os.environ.get("KVSTORE_REDIS_PASSWORD")
+        common: dict[str, Any] = dict(
+            username=username or None,
+            password=password or None,
+            socket_timeout=options.timeout,
+            socket_connect_timeout=options.connect_timeout,
+            max_connections=options.max_connections,
+            retry=Retry(NoBackoff(), 1),
+        )
+        if scheme.endswith("+cluster"):
+            hosts = parts.netloc.rsplit("@", 1)[-1]
+            nodes = []
+            for hp in hosts.split(","):
+                host, _, port = hp.strip().rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"{redact_url(url)}: cluster nodes must be host:port,host:port,...")
+                nodes.append(ClusterNode(host.strip("[]"), int(port)))
+            ssl = scheme.startswith("rediss")
+            tls = {k: v for k, v in passthrough.items() if k.startswith("ssl_")}
+            if "ssl_check_hostname" in tls:
+                tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes")
+            client = RedisCluster(startup_nodes=nodes, ssl=ssl, **tls, **common)
+            # framed values unjoined on every node's connections, found now or later
+            manager = client.nodes_manager
+            gather_class = gathering(manager.connection_kwargs.get("connection_class", Connection))
+            manager.connection_kwargs["connection_class"] = gather_class
+            for node in manager.startup_nodes.values():
+                node.connection_class = gather_class
+        else:
+            netloc = parts.netloc.rsplit("@", 1)[-1]  # credentials go as kwargs, never in a URL string
+            plain = urlunsplit((scheme, netloc, parts.path, urlencode(passthrough), ""))
+            pool = aioredis.ConnectionPool.from_url(plain, **common)
+            pool.connection_class = gathering(pool.connection_class)  # framed values unjoined
+            client = aioredis.Redis(connection_pool=pool)
+        return cls(url, client, options)
+
+    # -- fault plumbing ----------------------------------------------------------
+    def _fault(self, op: str, exc: BaseException) -> None:
+        if not self._failing:
+            log.warning("redis %s failed on %s: %s: %s", op, redact_url(self.url), type(exc).__name__, exc)
+            self._failing = True
+        else:
+            log.debug("redis %s failed: %s: %s", op, type(exc).__name__, exc)
+
+    def _ok(self) -> None:
+        if self._failing:
+            log.warning("redis %s is answering again", redact_url(self.url))
+            self._failing = False
+
+    async def _run(self, op: str, jobs: list[Awaitable[None]], nbytes: int | Budget) -> list[bool]:
+        """Run the jobs of one batch concurrently under one deadline; say which failed.
+
+        The deadline is `RedisOptions.deadline` of the bytes in `nbytes`; a `Budget`
+        lets jobs add bytes they discover (a manifest's total) while they run.  Each job
+        stores its own results; a job that fails or is still running at the deadline
+        leaves its results at their failure default.  Faults are not raised.
+        """
+        if not jobs:
+            return []
+        budget = nbytes if isinstance(nbytes, Budget) else Budget(nbytes)
+        tasks = [asyncio.ensure_future(j) for j in jobs]
+        loop = asyncio.get_running_loop()
+        start, pending = loop.time(), set(tasks)
+        deadline = self.options.deadline(budget.nbytes)
+        try:
+            while pending:
+                deadline = self.options.deadline(budget.nbytes)
+                remaining = start + deadline - loop.time()
+                if remaining <= 0:
+                    break
+                _, pending = await asyncio.wait(pending, timeout=remaining)
+        except BaseException:  # the caller was cancelled: take the batch's commands with it
+            for t in tasks:
+                t.cancel()
+            raise
+        for t in pending:
+            t.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        failed = []
+        first: BaseException | None = None
+        bug: BaseException | None = None
+        for t in tasks:
+            if t in pending:
+                failed.append(True)
+                first = first or asyncio.TimeoutError(f"batch deadline of {deadline:.1f}s passed")
+                continue
+            exc = t.exception()  # retrieve every task's exception before raising any
+            if exc is not None and not isinstance(exc, FAULTS):
+                bug = bug or exc
+            failed.append(exc is not None)
+            first = first or exc
+        if bug is not None:
+            raise bug
+        if first is not None:
+            self._fault(op, first)
+        else:
+            self._ok()
+        return failed
+
+    # -- put ---------------------------------------------------------------------
+    async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
+        ok = [False] * len(items)
+        sizes = [0] * len(items)
+        small: list[tuple[int, str, Any, int | None]] = []
+        jobs: list[Awaitable[None]] = []
+        for i, (name, value) in enumerate(items):
+            try:
+                check_object_name(name)
+            except InvalidKeyError as exc:
+                log.debug("redis put rejected %r: %s", name, exc)
+                continue
+            parts = as_parts(value)
+            size = sizes[i] = parts_len(parts)
+            ttl = layout.ttl_ms_for(name, self._ttls, self.options.ttl)
+            if size > self.options.part_size:
+                jobs.append(self._put_multi(i, name, parts, size, ttl, ok))
+                continue
+            data: Any = parts[0] if len(parts) == 1 else Gathered(parts)  # sent unjoined
+            self._typical = size
+            if size <= self.options.pipeline_max:
+                small.append((i, name, data, ttl))
+            else:
+                jobs.append(self._put_big(i, name, data, ttl, ok))
+        if small:
+            jobs.append(self._put_small(small, ok))
+        await self._run("put", jobs, sum(sizes))
+        for i in range(len(items)):
+            if ok[i]:
+                self.counters.puts += 1
+                self.counters.put_bytes += sizes[i]
+            else:
+                self.counters.put_errors += 1
+        return ok
+
+    async def _put_small(self, small: list[tuple[int, str, Any, int | None]], ok: list[bool]) -> None:
+        pfx = self.options.prefix
+        pipe = self.client.pipeline(transaction=False)
+        for _, name, data, ttl in small:
+            pipe.set(layout.data_key(pfx, name), data, px=ttl)
+        for _, name, _, _ in small:  # drop parts of an older multi-part value (free here)
+            pipe.execute_command("UNLINK", layout.parts_key(pfx, name))
+        replies = await pipe.execute(raise_on_error=False)
+        for (i, _, _, _), r in zip(small, replies):
+            ok[i] = r is True
+        if any(isinstance(r, Exception) for r in replies):
+            raise next(r for r in replies if isinstance(r, Exception))
+
+    async def _put_big(self, i: int, name: str, data: Any, ttl: int | None, ok: list[bool]) -> None:
+        async with self._big:
+            ok[i] = bool(await self.client.set(layout.data_key(self.options.prefix, name), data, px=ttl))
+
+    async def _put_multi(
+        self, i: int, name: str, parts: list[memoryview], size: int, ttl: int | None, ok: list[bool]
+    ) -> None:
+        pfx = self.options.prefix
+        manifest = layout.Manifest.new(size, self.options.part_size)
+        hkey = layout.parts_key(pfx, name)
+        pieces = layout.split_parts(parts, self.options.part_size)
+
+        async def put_piece(field: str, piece: list[memoryview]) -> None:
+            async with self._big:
+                await self.client.hset(hkey, field, piece[0] if len(piece) == 1 else Gathered(piece))
+
+        await asyncio.gather(*(put_piece(f, p) for f, p in zip(manifest.fields(), pieces)))
+        if ttl is not None:
+            await self.client.pexpire(hkey, ttl)
+        old = await self.client.set(layout.data_key(pfx, name), manifest.encode(), px=ttl, get=True)
+        ok[i] = True
+        stale = layout.decode_manifest(old)
+        if stale is not None and stale.generation != manifest.generation:
+            await self.client.hdel(hkey, *stale.fields())
+
+    # -- get ---------------------------------------------------------------------
+    async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:
+        out: list[memoryview | None] = [None] * len(names)
+        valid = []
+        for i, name in enumerate(names):
+            try:
+                check_object_name(name)
+            except InvalidKeyError:
+                log.debug("redis get of invalid name %r: miss", name)
+                continue
+            valid.append(i)
+        errors = 0
+        sizes: dict[int, int] = {}
+        if self._typical > self.options.pipeline_max:
+            # objects here are big (as the last one moved was): no size round trip, every
+            # object as its own concurrent GET; the deadline assumes that typical size
+            small, big = [], valid
+            budget = Budget(self._typical * len(valid))
+        else:
+            # learn sizes first (one pipelined round trip): they route each object and set
+            # the deadline.  STRLEN is 0 for absent keys and empty values alike: GET tells.
+            if valid and (await self._run("get", [self._strlens(names, valid, sizes)], 0))[0]:
+                errors += len(valid)
+            small = [i for i in valid if i in sizes and sizes[i] <= self.options.pipeline_max]
+            big = [i for i in valid if sizes.get(i, 0) > self.options.pipeline_max]
+            budget = Budget(sum(sizes.values()))
+        groups = ([small] if small else []) + [[i] for i in big]
+        jobs = [self._get_small(names, small, alloc, out, budget)] if small else []
+        jobs += [self._get_big(names, i, alloc, out, budget) for i in big]
+        failed = await self._run("get", jobs, budget)
+        errors += sum(len(g) for g, f in zip(groups, failed) if f)
+        self.counters.gets += len(names)
+        self.counters.get_errors += errors
+        for v in out:
+            if v is None:
+                self.counters.misses += 1
+            else:
+                self.counters.hits += 1
+                self.counters.get_bytes += v.nbytes
+        return out
+
+    async def _strlens(self, names: Sequence[str], idx: list[int], sizes: dict[int, int]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for i in idx:
+            pipe.strlen(layout.data_key(self.options.prefix, names[i]))
+        for i, r in zip(idx, await pipe.execute()):
+            sizes[i] = int(r)
+
+    def _place(self, data: bytes, alloc: Alloc | None) -> memoryview:
+        """The reply as the caller wants it: a view of hiredis's bytes (no copy, read-only)
+        without `alloc`, else copied once into the caller's buffer."""
+        self._typical = len(data)
+        if alloc is None:
+            return memoryview(data)
+        buf = _flat(alloc(len(data)))[: len(data)]
+        buf[:] = data
+        return buf
+
+    async def _resolve(
+        self, name: str, data: bytes | None, alloc: Alloc | None, budget: Budget
+    ) -> memoryview | None:
+        if data is None:
+            return None
+        if len(data) == layout.MANIFEST_LEN:
+            manifest = layout.decode_manifest(data)
+            if manifest is not None:
+                budget.nbytes += manifest.total
+                return await self._get_parts(name, manifest, alloc)
+        return self._place(data, alloc)
+
+    async def _get_small(
+        self, names: Sequence[str], idx: list[int], alloc: Alloc | None, out: list, budget: Budget
+    ) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for i in idx:
+            pipe.get(layout.data_key(self.options.prefix, names[i]))
+        for i, data in zip(idx, await pipe.execute()):
+            out[i] = await self._resolve(names[i], data, alloc, budget)
+
+    async def _get_big(
+        self, names: Sequence[str], i: int, alloc: Alloc | None, out: list, budget: Budget
+    ) -> None:
+        async with self._big:
+            data = await self.client.get(layout.data_key(self.options.prefix, names[i]))
+        out[i] = await self._resolve(names[i], data, alloc, budget)
+
+    async def _get_parts(
+        self, name: str, manifest: layout.Manifest, alloc: Alloc | None
+    ) -> memoryview | None:
+        """Assemble the parts straight into one buffer (the caller's, with `alloc`)."""
+        hkey = layout.parts_key(self.options.prefix, name)
+        buf = _flat((alloc or bytearray_alloc)(manifest.total))[: manifest.total]
+        missing = [False]
+
+        async def fetch(index: int, field: str) -> None:
+            async with self._big:
+                piece = await self.client.hget(hkey, field)
+            want = manifest.part_len(index)
+            if piece is None or len(piece) != want:
+                missing[0] = True
+                return
+            off = index * manifest.part_size
+            buf[off : off + want] = piece
+
+        await asyncio.gather(*(fetch(k, f) for k, f in enumerate(manifest.fields())))
+        if missing[0]:
+            log.debug("redis object %r lost a part (evicted, expired or overwritten): miss", name)
+            return None
+        return buf
+
+    # -- contains / delete ---------------------------------------------------------
+    async def contains_many(self, names: Sequence[str]) -> list[bool]:
+        out = [False] * len(names)
+
+        async def job() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.execute_command("EXISTS", layout.data_key(self.options.prefix, n))
+            for i, r in enumerate(await pipe.execute()):
+                out[i] = bool(r)
+
+        await self._run("contains", [job()] if names else [], 0)
+        return out
+
+    async def delete_many(self, names: Sequence[str]) -> list[bool]:
+        out = [False] * len(names)
+
+        async def job() -> None:
+            pfx = self.options.prefix
+            pipe = self.client.pipeline(transaction=False)
+            for n in names:
+                pipe.execute_command("UNLINK", layout.data_key(pfx, n))
+                pipe.execute_command("UNLINK", layout.parts_key(pfx, n))
+            replies = await pipe.execute()
+            for i in range(len(names)):
+                out[i] = bool(replies[2 * i])
+
+        await self._run("delete", [job()] if names else [], 0)
+        self.counters.deletes += sum(out)
+        return out
+
+    # -- listing / stats -------------------------------------------------------------
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Objects whose name starts with `prefix`, with sizes (multi-part: total length).
+
+        A server fault ends the listing early (logged and counted), it does not raise.
+        """
+        pfx = self.options.prefix
+        pattern = layout.scan_pattern(pfx, prefix)
+        batch: list[str] = []
+        try:
+            async for raw in self.client.scan_iter(match=pattern, count=1000):
+                key = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+                name = layout.name_of_key(pfx, key)
+                if name is None or not name.startswith(prefix):
+                    continue
+                batch.append(name)
+                if len(batch) >= 500:
+                    for info in await self._sizes(batch):
+                        yield info
+                    batch = []
+            for info in await self._sizes(batch):
+                yield info
+        except FAULTS as exc:
+            self.counters.get_errors += 1
+            self._fault("list", exc)
+
+    async def _sizes(self, names: list[str]) -> list[ObjectInfo]:
+        if not names:
+            return []
+        pipe = self.client.pipeline(transaction=False)
+        for n in names:
+            pipe.getrange(layout.data_key(self.options.prefix, n), 0, layout.MANIFEST_LEN)
+            pipe.strlen(layout.data_key(self.options.prefix, n))
+        replies = await asyncio.wait_for(pipe.execute(), self.options.timeout)
+        out = []
+        for k, n in enumerate(names):
+            head, size = replies[2 * k], int(replies[2 * k + 1])
+            if size == 0:
+                continue  # expired or deleted since SCAN saw it
+            manifest = layout.decode_manifest(head) if size == layout.MANIFEST_LEN else None
+            out.append(ObjectInfo(n, manifest.total if manifest else size, 0.0))
+        return out
+
+    async def collect_garbage(self) -> int:
+        """Delete parts no manifest points at any more; return how many hashes/fields went.
+
+        Orphans arise when a multi-part object is overwritten by a big single-part value
+        (that put skips the extra round trip to drop old parts) or when a writer died
+        between its parts and its manifest.  Run it from maintenance (``kvstore gc``), not
+        during heavy writes: a multi-part put caught between its parts and its manifest
+        loses its parts, which its readers then see as a miss (never as wrong data).
+        """
+        pfx = self.options.prefix
+        removed = 0
+        pattern = layout.glob_escape(pfx + "{") + "*" + layout.glob_escape("}" + layout.PARTS_SUFFIX)
+        try:
+            async for raw in self.client.scan_iter(match=pattern, count=1000):
+                hkey = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+                name = hkey[len(pfx) + 1 : -len("}" + layout.PARTS_SUFFIX)]
+                head = await self.client.getrange(layout.data_key(pfx, name), 0, layout.MANIFEST_LEN)
+                manifest = layout.decode_manifest(head)
+                if manifest is None:
+                    removed += int(await self.client.unlink(hkey))
+                    continue
+                keep = set(manifest.fields())
+                stale = [f for f in await self.client.hkeys(hkey) if f.decode() not in keep]
+                if stale:
+                    removed += int(await self.client.hdel(hkey, *stale))
+        except FAULTS as exc:
+            self._fault("gc", exc)
+        return removed
+
+    async def check(self) -> None:
+        """PING within the connect deadline; raise `BackendUnavailableError` saying what to fix."""
+        try:
+            await asyncio.wait_for(self.client.ping(), self.options.deadline(0))
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {exc}"
+            hint = (
+                "check the password / ACL user (URL or KVSTORE_REDIS_USERNAME / KVSTORE_REDIS_PASSWORD)"
+                if "auth" in detail.lower() or "password" in detail.lower()
+                else "is redis-server running there, and is the host:port / socket path right?"
+            )
+            raise BackendUnavailableError(
+                f"Redis at {redact_url(self.url)} is unusable ({detail}); {hint}"
+            ) from exc
+
+    async def refresh_stats(self) -> BackendStats:
+        """Ask the server(s) for key count and memory use, then return `stats()`."""
+
+        async def job() -> None:
+            if self.cluster:
+                sizes = await self.client.dbsize(target_nodes=RedisCluster.PRIMARIES)
+                mems = await self.client.info("memory", target_nodes=RedisCluster.PRIMARIES)
+                keys = sum(sizes.values()) if isinstance(sizes, dict) else int(sizes)
+                used = sum(m.get("used_memory", 0) for m in mems.values()) if isinstance(mems, dict) else 0
+            else:
+                keys = await self.client.dbsize()
+                used = (await self.client.info("memory")).get("used_memory", 0)
+            self._server = {"server_keys": int(keys), "server_used_memory": int(used)}
+
+        await self._run("stats", [job()], 0)
+        return self.stats()
+
+    def stats(self) -> BackendStats:
+        """Counters plus the server figures of the last `refresh_stats` (no I/O here).
+
+        ``objects``/``bytes`` are not filled: counting them needs a SCAN of the keyspace;
+        ``extra`` holds the server's key count (objects plus their parts hashes and any
+        foreign keys) and memory use.
+        """
+        extra = {"cluster": self.cluster, "prefix": self.options.prefix, **self._server}
+        return BackendStats(url=redact_url(self.url), counters=self.counters, extra=extra)
+
+    async def close(self) -> None:
+        try:
+            if self.cluster:
+                await self.client.aclose()
+            else:
+                await self.client.aclose(close_connection_pool=True)
+        except FAULTS as exc:
+            log.debug("redis close: %s", exc)
+
+
+__all__ = ["RedisBackend", "RedisOptions", "parse_options"]

@@ -1,0 +1,56 @@
+"""Gather writes for redis-py: send one Redis value made of several buffers without joining them.
+
+Owns: `Gathered` (a value given as parts) and `gathering(connection_class)`, which
+makes a redis.asyncio connection class that packs a `Gathered` argument as one RESP
+bulk string whose parts go to the transport as they are.  The asyncio transport still
+joins a command's pieces once when it writes (as it does for every redis-py command);
+without this, a framed value (header + payload) would be joined once more first.
+Must not touch: key layout, batching, faults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+from typing import Any
+
+
+class Gathered:
+    """One Redis value spread over several flat byte views (e.g. a frame's header and payload)."""
+
+    __slots__ = ("nbytes", "parts")
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self.parts = list(parts)
+        self.nbytes = sum(p.nbytes for p in self.parts)
+
+
+@cache
+def gathering(connection_class: type) -> type:
+    """A subclass of `connection_class` whose `pack_command` accepts `Gathered` arguments."""
+
+    class GatheringConnection(connection_class):  # type: ignore[misc, valid-type]
+        def pack_command(self, *args: Any) -> list[Any]:
+            if not any(isinstance(a, Gathered) for a in args):
+                return super().pack_command(*args)
+            out: list[Any] = []
+            head = b"*%d\r\n" % len(args)
+            for arg in args:
+                if isinstance(arg, Gathered):
+                    out.append(head + b"$%d\r\n" % arg.nbytes)
+                    out.extend(arg.parts)
+                    head = b"\r\n"
+                    continue
+                data = self.encoder.encode(arg)
+                if isinstance(data, memoryview) or len(data) > 6000:
+                    out.append(head + b"$%d\r\n" % len(data))
+                    out.append(data)
+                    head = b"\r\n"
+                else:
+                    head += b"$%d\r\n%s\r\n" % (len(data), data)
+            out.append(head)
+            return out
+
+    GatheringConnection.__name__ = f"Gathering{connection_class.__name__}"
+    GatheringConnection.__qualname__ = GatheringConnection.__name__
+    return GatheringConnection

@@ -1,0 +1,35 @@
+"""Fixtures for the Redis tier tests: a real redis-server per test, one 3-master Cluster per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.redis_server import RedisClusterProcs, RedisServer, redis_available
+
+# Quick deadlines so fault tests take seconds: connect 0.5 s, batch 2 s.
+FAST = "timeout=2&connect_timeout=0.5"
+
+
+@pytest.fixture
+def redis_server():
+    if not redis_available():
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+async def backend(redis_server):
+    from kvstore.backends import open_backend
+
+    b = open_backend(f"{redis_server.url}?{FAST}")
+    yield b
+    await b.close()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster():
+    if not redis_available(cluster=True):
+        pytest.skip("redis-server / redis-cli are not installed (apt-get install redis-server redis-tools)")
+    with RedisClusterProcs(masters=3) as cluster:
+        yield cluster
