@@ -13,6 +13,7 @@ Configurations:
 * ``kvstore-disk``   kvstore storage plugin, one ``file://`` tier;
 * ``kvstore-disk-remote``  the same tier through the remote-connector path;
 * ``lmcache-redis``  LMCache's Redis connector on a local ``redis-server`` (if installed);
+* ``kvstore-redis``  kvstore storage plugin, one ``redis://`` tier on the same server (db 1);
 * ``kvstore-mem+disk``  kvstore with a memory tier over the disk tier (what a restarted
   process does not have; shown for scale).
 
@@ -124,6 +125,13 @@ def configs(tmp: Path, redis_url: str | None) -> dict[str, dict[str, str]]:
     }
     if redis_url:
         out["lmcache-redis"] = {**base, "LMCACHE_REMOTE_URL": redis_url, "LMCACHE_REMOTE_SERDE": "naive"}
+        out["kvstore-redis"] = {
+            **base,
+            "LMCACHE_STORAGE_PLUGINS": "kvstore",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(
+                {**PLUGIN, "kvstore.tiers": [f"{redis_url}/1"], "kvstore.timeout_s": 30}
+            ),
+        }
     out["kvstore-mem+disk"] = {
         **base,
         "LMCACHE_STORAGE_PLUGINS": "kvstore",
