@@ -15,6 +15,7 @@ import click
 
 COMMANDS: dict[str, str] = {
     "bench": "kvstore.cli.bench:bench",
+    "demo": "kvstore.cli.demo:demo",
     "migrate": "kvstore.cli.ops:migrate",
     "ls": "kvstore.cli.ops:ls",
     "stat": "kvstore.cli.ops:stat",

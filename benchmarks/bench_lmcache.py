@@ -1,0 +1,275 @@
+"""Store and retrieve throughput through the real LMCache engine: kvstore vs LMCache's own.
+
+Every configuration runs the same workload in the same process, one after another:
+prompts of ``--chunks`` chunks are stored through ``engine.store`` (timed until the
+backend has finished writing) and read back through ``engine.lookup`` +
+``engine.retrieve`` into preallocated KV buffers (timed to the last byte in place).
+LMCache's own CPU cache is off in every configuration (``LMCACHE_LOCAL_CPU=False``),
+so every byte goes through the backend under test.
+
+Configurations:
+
+* ``lmcache-disk``   LMCache's LocalDiskBackend (``LMCACHE_LOCAL_DISK``) — the baseline;
+* ``kvstore-disk``   kvstore storage plugin, one ``file://`` tier;
+* ``kvstore-disk-remote``  the same tier through the remote-connector path;
+* ``lmcache-redis``  LMCache's Redis connector on a local ``redis-server`` (if installed);
+* ``kvstore-redis``  kvstore storage plugin, one ``redis://`` tier on the same server (db 1);
+* ``kvstore-mem+disk``  kvstore with a memory tier over the disk tier (what a restarted
+  process does not have; shown for scale).
+
+Usage: ``python benchmarks/bench_lmcache.py [--chunks 8] [--rounds 5] [--json out.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+import torch  # noqa: E402
+
+from plugins.engine import build_cpu_engine  # noqa: E402
+from plugins.hf_connector import empty_kv  # noqa: E402
+
+PLUGIN = {
+    "storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+    "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
+}
+REMOTE = {
+    "remote_storage_plugin.kvstore.module_path": "plugins.remote_connector",
+    "remote_storage_plugin.kvstore.class_name": "KVStoreRemoteConnector",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def redis_server():
+    exe = shutil.which("redis-server")
+    if exe is None:
+        yield None
+        return
+    port = free_port()
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(200):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.1):
+                break
+            time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def configs(tmp: Path, redis_url: str | None) -> dict[str, dict[str, str]]:
+    base = {
+        "LMCACHE_CHUNK_SIZE": "256",
+        "LMCACHE_LOCAL_CPU": "False",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "2.0",
+        "LMCACHE_BLOCKING_TIMEOUT_SECS": "60",
+        "LMCACHE_LOG_LEVEL": "ERROR",
+    }
+    out = {
+        "lmcache-disk": {
+            **base,
+            "LMCACHE_LOCAL_DISK": f"file://{tmp / 'lmcache-disk'}/",
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": "20",
+        },
+        "kvstore-disk": {
+            **base,
+            "LMCACHE_STORAGE_PLUGINS": "kvstore",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(
+                {
+                    **PLUGIN,
+                    "kvstore.tiers": [f"file://{tmp / 'kv-disk'}?fsync=false"],
+                    "kvstore.timeout_s": 30,
+                }
+            ),
+        },
+        "kvstore-disk-remote": {
+            **base,
+            "LMCACHE_REMOTE_STORAGE_PLUGINS": "kvstore",
+            "LMCACHE_REMOTE_SERDE": "naive",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(
+                {
+                    **REMOTE,
+                    "kvstore.tiers": [f"file://{tmp / 'kv-disk-r'}?fsync=false"],
+                    "kvstore.timeout_s": 30,
+                }
+            ),
+        },
+    }
+    if redis_url:
+        out["lmcache-redis"] = {**base, "LMCACHE_REMOTE_URL": redis_url, "LMCACHE_REMOTE_SERDE": "naive"}
+        out["kvstore-redis"] = {
+            **base,
+            "LMCACHE_STORAGE_PLUGINS": "kvstore",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(
+                {**PLUGIN, "kvstore.tiers": [f"{redis_url}/1"], "kvstore.timeout_s": 30}
+            ),
+        }
+    out["kvstore-mem+disk"] = {
+        **base,
+        "LMCACHE_STORAGE_PLUGINS": "kvstore",
+        "LMCACHE_EXTRA_CONFIG": json.dumps(
+            {
+                **PLUGIN,
+                "kvstore.tiers": ["mem://bench-hot?capacity=4GiB", f"file://{tmp / 'kv-disk2'}?fsync=false"],
+                "kvstore.timeout_s": 30,
+            }
+        ),
+    }
+    return out
+
+
+def run_config(name: str, env: dict[str, str], args, kv) -> dict:
+    saved = {k: v for k, v in os.environ.items() if k.startswith("LMCACHE_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(env)
+    try:
+        eng = build_cpu_engine(
+            model_name="bench-model",
+            num_layers=args.layers,
+            num_kv_heads=args.heads,
+            head_dim=args.head_dim,
+            dtype=torch.bfloat16,
+        )
+    finally:
+        for k in [k for k in os.environ if k.startswith("LMCACHE_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+    if args.connector == "none":
+        # LMCache's MockGPUConnector copies nothing: what is left is the storage path alone
+        from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+
+        eng.engine.gpu_connector = MockGPUConnector((args.layers, 2, 256, args.heads, args.head_dim))
+    ntok = args.chunks * 256
+    nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+    out_kv = empty_kv(args.layers, args.heads, ntok, args.head_dim, torch.bfloat16)
+    store_s, load_s, hits = [], [], []
+    try:
+        for r in range(args.rounds + 1):  # round 0 warms up and is not counted
+            tokens = torch.arange(r * 1_000_000, r * 1_000_000 + ntok)
+            t = time.perf_counter()
+            eng.engine.store(tokens, kvcaches=kv)
+            eng.wait_for_writes(120)
+            # LMCache's connectors do not report when a write ends: stored = found by lookup
+            deadline = time.monotonic() + 60
+            while eng.engine.lookup(tokens) < ntok and time.monotonic() < deadline:
+                time.sleep(0.001)
+            st = time.perf_counter() - t
+            t = time.perf_counter()
+            hit = eng.engine.lookup(tokens)
+            got = int(eng.engine.retrieve(tokens, kvcaches=out_kv, req_id=f"r{r}").sum()) if hit else 0
+            lt = time.perf_counter() - t
+            if r == 0 and args.connector == "none":
+                if got != ntok:
+                    raise RuntimeError(f"{name}: retrieve returned {got}/{ntok} tokens")
+                continue
+            if r == 0:
+                if not torch.equal(out_kv[0][0], kv[0][0]) or got != ntok:
+                    raise RuntimeError(f"{name}: retrieve returned {got}/{ntok} tokens or wrong bytes")
+                continue
+            store_s.append(st)
+            load_s.append(lt)
+            hits.append(got)
+    finally:
+        # LMCache 0.5.6's Redis connector deadlocks in close() (its executor shutdown waits
+        # on the event loop it runs on): close in a helper thread and move on after 10 s
+        closer = threading.Thread(target=eng.close, daemon=True)
+        closer.start()
+        closer.join(10)
+        if closer.is_alive():
+            print(f"  ({name}: engine close() hung; left behind)", flush=True)
+    return {
+        "config": name,
+        "bytes_per_prompt": nbytes,
+        "store_GBps": nbytes / statistics.median(store_s) / 1e9,
+        "retrieve_GBps": nbytes / statistics.median(load_s) / 1e9,
+        "store_s_median": statistics.median(store_s),
+        "retrieve_s_median": statistics.median(load_s),
+        "tokens_hit": hits,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", type=int, default=8, help="chunks of 256 tokens per prompt")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument(
+        "--connector",
+        choices=["contiguous", "none"],
+        default="contiguous",
+        help="contiguous: copy to/from HF-layout KV tensors; none: no KV copies (storage path only)",
+    )
+    ap.add_argument("--only", nargs="*", help="run only these configurations")
+    ap.add_argument("--tmp", default=None, help="directory for the disk tiers (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    ntok = args.chunks * 256
+    g = torch.Generator().manual_seed(0)
+    kv = [
+        (
+            torch.randn(1, args.heads, ntok, args.head_dim, generator=g).to(torch.bfloat16),
+            torch.randn(1, args.heads, ntok, args.head_dim, generator=g).to(torch.bfloat16),
+        )
+        for _ in range(args.layers)
+    ]
+    results = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as d, redis_server() as redis_url:
+        for name, env in configs(Path(d), redis_url).items():
+            if args.only and name not in args.only:
+                continue
+            res = run_config(name, env, args, kv)
+            results.append(res)
+            print(
+                f"{name:22s} store {res['store_GBps']:6.2f} GB/s   retrieve {res['retrieve_GBps']:6.2f} GB/s"
+                f"   ({res['bytes_per_prompt'] / 2**20:.0f} MiB per prompt)",
+                flush=True,
+            )
+    base = next((r for r in results if r["config"] == "lmcache-disk"), None)
+    if base:
+        print("\nratios vs lmcache-disk (same run):")
+        for r in results:
+            print(
+                f"{r['config']:22s} store x{r['store_GBps'] / base['store_GBps']:.2f}"
+                f"   retrieve x{r['retrieve_GBps'] / base['retrieve_GBps']:.2f}"
+            )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    sys.stdout.flush()
+    os._exit(0)  # a hung LMCache close leaves non-daemon threads behind
+
+
+if __name__ == "__main__":
+    main()

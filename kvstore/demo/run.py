@@ -1,0 +1,276 @@
+"""The end-to-end demo: a real model, the real LMCache engine, kvstore underneath.
+
+Owns: the passes — (1) prefill each prompt, store its KV through LMCache, decode a
+continuation; (2) after a restart (a fresh engine and an empty hot tier), load the
+KV back instead of recomputing it and decode again; (3) when the last tier is lossy
+(cachegen), the same from that tier alone — and the report of what each pass saw.
+Must not touch: rendering (the CLI), storage logic.  LMCache is configured only
+through ``LMCACHE_*`` variables, set here for the engine's lifetime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from kvstore.store_config import TierConfig
+
+PLUGIN = {
+    "storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+    "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
+}
+REMOTE = {
+    "remote_storage_plugin.kvstore.module_path": "plugins.remote_connector",
+    "remote_storage_plugin.kvstore.class_name": "KVStoreRemoteConnector",
+}
+
+
+@dataclass
+class PromptResult:
+    prompt_tokens: int
+    hit_tokens: int
+    tokens_by_tier: dict[str, int]
+    bytes_by_tier: dict[str, int]
+    load_s: float
+    compute_s: float  # prefill of what was not loaded (pass 1: the whole prompt)
+    agreement: float  # fraction of continuation tokens equal to pass 1's
+    identical: bool
+
+
+@dataclass
+class PassReport:
+    name: str
+    tiers: list[dict]
+    prompts: list[PromptResult] = field(default_factory=list)
+
+    @property
+    def hit_tokens(self) -> int:
+        return sum(p.hit_tokens for p in self.prompts)
+
+
+@dataclass
+class DemoReport:
+    model: str
+    path: str
+    async_loading: bool
+    chunk_size: int
+    new_tokens: int
+    passes: list[PassReport]
+    continuations: list[str]
+    model_load_s: float
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for p, rep in zip(d["passes"], self.passes):
+            p["hit_tokens"] = rep.hit_tokens
+        return d
+
+
+def default_demo_tiers(home) -> list[TierConfig]:
+    """Memory, local disk, and a cold local tier (cachegen when that codec exists).
+
+    Without the disk backend, named in-process memory spaces stand in for the two
+    lower tiers, so the demo still shows a restart that loads instead of recomputing.
+    """
+    import importlib.util
+
+    from kvstore import codec as codecs
+
+    cold_codec = "cachegen" if importlib.util.find_spec("kvstore.codec.cachegen") else "raw"
+    if cold_codec not in codecs.names():
+        cold_codec = "raw"
+    hot = TierConfig("mem://demo-hot?capacity=1GiB")
+    if importlib.util.find_spec("kvstore.backends.disk") is not None:
+        return [
+            hot,
+            TierConfig(f"file://{home / 'demo' / 'warm'}?capacity=4GiB&fsync=false"),
+            TierConfig(f"file://{home / 'demo' / 'cold'}?capacity=4GiB&fsync=false", cold_codec),
+        ]
+    return [hot, TierConfig("mem://demo-warm"), TierConfig("mem://demo-cold", cold_codec)]
+
+
+@contextmanager
+def lmcache_env(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: v for k, v in os.environ.items() if k.startswith("LMCACHE_")}
+    for k in saved:
+        del os.environ[k]
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k in [k for k in os.environ if k.startswith("LMCACHE_")]:
+            del os.environ[k]
+        os.environ.update(saved)
+
+
+def _fresh_hot(tier: TierConfig) -> TierConfig:
+    """The same hot tier as after a process restart: an empty memory space."""
+    if not tier.url.startswith("mem://"):
+        return tier
+    rest = tier.url[len("mem://") :]
+    name, sep, query = rest.partition("?")
+    return replace(tier, url=f"mem://{name or 'hot'}-{uuid.uuid4().hex[:6]}{sep}{query}")
+
+
+def run_demo(
+    tiers: list[TierConfig],
+    *,
+    prompts: int = 2,
+    prompt_tokens: int = 769,
+    new_tokens: int = 12,
+    chunk_size: int = 256,
+    path: str = "plugin",
+    async_loading: bool = False,
+    threads: int | None = None,
+    step: Callable[[str], None] = lambda msg: None,
+) -> DemoReport:
+    from kvstore.demo.model import demo_prompts, load_model
+    from plugins.engine import build_cpu_engine
+    from plugins.hf_connector import empty_kv
+
+    t0 = time.perf_counter()
+    model = load_model(threads)
+    model_load_s = time.perf_counter() - t0
+    step("model loaded")
+    ids_list = demo_prompts(model.tokenizer, prompts, prompt_tokens)
+
+    def engine_env(ts: list[TierConfig]) -> dict[str, str]:
+        extra = {
+            **(PLUGIN if path == "plugin" else REMOTE),
+            "kvstore.tiers": [{"url": t.url, "codec": t.codec} for t in ts],
+            "kvstore.namespace": "demo",
+        }
+        env = {
+            "LMCACHE_CHUNK_SIZE": str(chunk_size),
+            "LMCACHE_LOCAL_CPU": "False",  # every hit comes from kvstore
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": "1.0",
+            "LMCACHE_ENABLE_ASYNC_LOADING": str(async_loading),
+            "LMCACHE_BLOCKING_TIMEOUT_SECS": "20",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(extra),
+            "LMCACHE_LOG_LEVEL": os.environ.get("LMCACHE_LOG_LEVEL", "ERROR"),
+        }
+        if path == "plugin":
+            env["LMCACHE_STORAGE_PLUGINS"] = "kvstore"
+        else:
+            env["LMCACHE_REMOTE_STORAGE_PLUGINS"] = "kvstore"
+            env["LMCACHE_REMOTE_SERDE"] = "naive"
+        return env
+
+    def open_engine(ts: list[TierConfig]):
+        with lmcache_env(engine_env(ts)):
+            eng = build_cpu_engine(
+                model_name=model.name,
+                num_layers=model.num_layers,
+                num_kv_heads=model.num_kv_heads,
+                head_dim=model.head_dim,
+                dtype=model.dtype,
+            )
+        if eng.kvstore_backend() is None:
+            eng.close()
+            raise RuntimeError("LMCache did not load kvstore; run with LMCACHE_LOG_LEVEL=INFO to see why")
+        return eng
+
+    tiers = [*tiers]
+    desc = [{"url": t.redacted(), "codec": t.codec} for t in tiers]
+    passes: list[PassReport] = []
+    conts: list[list[int]] = []
+
+    # ---- pass 1: compute, store, decode
+    first = PassReport("first run: prefill and store", desc)
+    eng = open_engine(tiers)
+    try:
+        for ids in ids_list:
+            t = time.perf_counter()
+            logits, cache = model.prefill(ids)
+            compute_s = time.perf_counter() - t
+            eng.engine.store(ids, kvcaches=model.pairs(cache))
+            conts.append(model.greedy(logits, cache, new_tokens))
+            first.prompts.append(PromptResult(len(ids), 0, {}, {}, 0.0, compute_s, 1.0, True))
+            step("prefill + store")
+        eng.wait_for_writes(120)
+    finally:
+        eng.close()
+    passes.append(first)
+
+    # ---- pass 2 (restart) and, for a lossy cold tier, pass 3 (cold tier alone)
+    plans = [("after restart: load instead of prefill", [_fresh_hot(tiers[0]), *tiers[1:]])]
+    if len(tiers) == 1:
+        plans = [("second run: load instead of prefill", tiers)]
+    if len(tiers) > 2 and tiers[-1].codec != "raw":
+        plans.append((f"cold tier only ({tiers[-1].codec})", [_fresh_hot(tiers[0]), tiers[-1]]))
+
+    for name, ts in plans:
+        rep = PassReport(name, [{"url": t.redacted(), "codec": t.codec} for t in ts])
+        eng = open_engine(ts)
+        try:
+            stack = eng.kvstore_backend().runtime.store
+            for ids, ref in zip(ids_list, conts):
+                before = stack.stats()
+                buf = empty_kv(model.num_layers, model.num_kv_heads, len(ids), model.head_dim, model.dtype)
+                t = time.perf_counter()
+                _, hit = eng.lookup_then_load(ids, buf)
+                load_s = time.perf_counter() - t
+                after = stack.stats()
+                use = min(hit, len(ids) - 1)  # the last prompt token is always computed: it yields the logits
+                t = time.perf_counter()
+                if use > 0:
+                    past = [(k[:, :, :use], v[:, :, :use]) for k, v in buf]
+                    logits, cache = model.prefill(ids[use:], past)
+                else:
+                    logits, cache = model.prefill(ids)
+                compute_s = time.perf_counter() - t
+                cont = model.greedy(logits, cache, new_tokens)
+                same = sum(a == b for a, b in zip(cont, ref))
+                tier_names = [
+                    f"{i}:{d['url'].split('://')[0]}({d['codec']})" for i, d in enumerate(rep.tiers)
+                ]
+                rep.prompts.append(
+                    PromptResult(
+                        prompt_tokens=len(ids),
+                        hit_tokens=hit,
+                        tokens_by_tier={
+                            n: (a - b) * chunk_size
+                            for n, a, b in zip(tier_names, after.hits, before.hits)
+                            if a > b
+                        },
+                        bytes_by_tier={
+                            n: a - b
+                            for n, a, b in zip(tier_names, after.hit_bytes, before.hit_bytes)
+                            if a > b
+                        },
+                        load_s=load_s,
+                        compute_s=compute_s,
+                        agreement=same / max(len(ref), 1),
+                        identical=cont == ref,
+                    )
+                )
+                step(name)
+        finally:
+            eng.close()
+        passes.append(rep)
+
+    return DemoReport(
+        model=model.name,
+        path=path,
+        async_loading=async_loading,
+        chunk_size=chunk_size,
+        new_tokens=new_tokens,
+        passes=passes,
+        continuations=[model.tokenizer.decode(c) for c in conts],
+        model_load_s=model_load_s,
+    )
+
+
+def steps_total(tiers: list[TierConfig], prompts: int) -> int:
+    passes = 2 + (1 if len(tiers) > 2 and tiers[-1].codec != "raw" else 0)
+    return 1 + passes * prompts
+
+
+__all__ = ["DemoReport", "default_demo_tiers", "run_demo", "steps_total", "torch"]

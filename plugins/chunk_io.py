@@ -1,0 +1,93 @@
+"""Moving LMCache MemoryObjs through the store: one copy on read, none on write.
+
+Owns: the coroutines both plugins run on the store's loop to write MemoryObjs (their
+tensors are the payload, not copied) and to read into MemoryObjs allocated from
+LMCache's CPU allocator (decoded straight into them).  Must not touch: deadlines and
+reference counts of LMCache's objects beyond the reads' own allocations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from plugins.keymap import allocation_for, payload_of
+from plugins.runtime import PluginCounters
+
+if TYPE_CHECKING:
+    from lmcache.v1.memory_management import MemoryObj
+
+log = logging.getLogger("kvstore.plugins")
+
+
+async def write_chunks(store: Any, names: Sequence[str], objs: Sequence[MemoryObj]) -> list[bool]:
+    """Store what is not stored yet; True for each name stored (now or before)."""
+    present = await store.contains_many(names)
+    todo = [i for i, p in enumerate(present) if not p]
+    ok = [True] * len(names)
+    by_layout: dict[str, list[int]] = {}
+    payloads = {}
+    for i in todo:
+        payloads[i], layout = payload_of(objs[i])
+        by_layout.setdefault(layout, []).append(i)
+    for layout, idx in by_layout.items():
+        res = await store.put_many([names[i] for i in idx], [payloads[i] for i in idx], layout=layout)
+        for i, r in zip(idx, res):
+            ok[i] = r
+    return ok
+
+
+async def read_chunks(
+    store: Any, names: Sequence[str], allocator: Any, counters: PluginCounters, *, prefix_only: bool = False
+) -> list[MemoryObj | None]:
+    """MemoryObjs (ref count 1, owned by the caller) for `names`; None for each miss.
+
+    With ``prefix_only`` the result stops at the first miss (LMCache's async loading
+    wants a contiguous prefix) and every object after it is released.
+    """
+    objs: list[Any] = [None] * len(names)
+
+    def alloc_for(i: int):
+        def alloc(header):
+            shape, dtype, fmt = allocation_for(header)
+            obj = allocator.allocate(shape, dtype, fmt, eviction=True, busy_loop=False)
+            if obj is None:
+                counters.alloc_failed += 1
+                return None
+            objs[i] = obj
+            return obj.tensor
+
+        return alloc
+
+    done = False
+    try:
+        tensors = await store.get_many(names, out=[alloc_for(i) for i in range(len(names))])
+        out: list[Any] = []
+        for i, t in enumerate(tensors):
+            obj = objs[i]
+            if t is None or (prefix_only and len(out) < i):
+                if obj is not None:
+                    obj.ref_count_down()
+                if t is None:
+                    counters.get_misses += 1
+                if prefix_only:
+                    continue
+                out.append(None)
+            else:
+                counters.get_hits += 1
+                out.append(obj)
+        done = True
+        return out
+    finally:
+        if not done:  # cancelled by a deadline or failed: give every allocation back
+            for obj in objs:
+                if obj is not None:
+                    obj.ref_count_down()
+
+
+async def prefix_count(store: Any, names: Sequence[str]) -> int:
+    return await store.prefix_lookup(names)
+
+
+__all__ = ["prefix_count", "read_chunks", "write_chunks"]

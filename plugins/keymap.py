@@ -1,0 +1,71 @@
+"""LMCache keys and memory objects ↔ kvstore names, tensors and frame layouts.
+
+Owns: `CacheEngineKey` → `ChunkKey` → object name, the frame ``layout`` string that
+records a MemoryObj's format, and reading a frame header back into an allocation.
+Must not touch: I/O, event loops.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvstore.codec.base import dtype_from_name
+from kvstore.keys import ChunkKey
+
+if TYPE_CHECKING:
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryObj
+
+LAYOUT_PREFIX = "lmcache:"
+
+
+def chunk_key(key: CacheEngineKey, namespace: str) -> ChunkKey:
+    """The kvstore key of an LMCache chunk (or per-layer chunk) key.
+
+    The ``fmt`` segment carries what LMCache's key holds beyond model, world size,
+    worker and hash: the KV dtype, the layer of a per-layer key and any tags.
+    """
+    fmt = str(key.dtype).removeprefix("torch.")
+    layer = getattr(key, "layer_id", None)
+    if layer is not None:
+        fmt += f".L{layer}"
+    for tag, value in key.tags or ():
+        fmt += f".{tag}={value}"
+    return ChunkKey(
+        model=key.model_name,
+        world_size=key.world_size,
+        worker_id=key.worker_id,
+        chunk_hash=key.chunk_hash,
+        fmt=fmt,
+        namespace=namespace,
+    )
+
+
+def object_name(key: CacheEngineKey, namespace: str) -> str:
+    return chunk_key(key, namespace).object_name()
+
+
+def payload_of(obj: MemoryObj) -> tuple[torch.Tensor, str]:
+    """The tensor to store (a view of the MemoryObj's own memory) and its layout tag."""
+    fmt = obj.get_memory_format()
+    shapes = obj.get_shapes() if obj.meta.shapes is not None else [obj.get_shape()]
+    # several KV groups: store the bytes
+    tensor = obj.tensor if len(shapes) == 1 else obj.raw_data.view(torch.uint8)[: obj.get_size()]
+    assert tensor is not None, "MemoryObj was invalidated before it could be stored"
+    return tensor, f"{LAYOUT_PREFIX}{fmt.name}"
+
+
+def allocation_for(header: Any) -> tuple[torch.Size, torch.dtype, Any]:
+    """(shape, dtype, MemoryFormat) to allocate for a stored frame; ValueError if foreign."""
+    from lmcache.v1.memory_management import MemoryFormat
+
+    layout = header.layout
+    if not layout.startswith(LAYOUT_PREFIX):
+        raise ValueError(f"object was not written by the LMCache plugin (layout {layout!r})")
+    fmt = MemoryFormat[layout[len(LAYOUT_PREFIX) :]]
+    dtype = dtype_from_name(header.dtype)
+    if dtype == torch.uint8 and len(header.shape) == 1:
+        raise ValueError("multi-group KV objects are not read back by this plugin yet")
+    return torch.Size(header.shape), dtype, fmt

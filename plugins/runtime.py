@@ -1,0 +1,222 @@
+"""The kvstore side of a plugin: its own event loop thread, the store, deadlines, counters.
+
+Owns: one background asyncio loop per plugin instance, the store opened on it, the
+rule that every wait has a deadline (a timeout or a fault is a counted miss, never an
+exception to LMCache), and the in-flight write table (dedupe, byte budget, release of
+LMCache's references when a write ends).  Must not touch: LMCache's own loop or
+threads (callers on LMCache's loop await through `acall`), storage logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, TypeVar
+
+from kvstore.store_config import StoreConfig, StoreConfigError
+
+log = logging.getLogger("kvstore.plugins")
+T = TypeVar("T")
+
+
+@dataclass
+class PluginCounters:
+    put_submitted: int = 0
+    put_deduped: int = 0
+    put_dropped_budget: int = 0
+    put_ok: int = 0
+    put_failed: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    alloc_failed: int = 0
+
+
+def load_config(
+    extra_config: Mapping[str, Any] | None, blocking_timeout_s: float | None, who: str
+) -> StoreConfig:
+    """Read and validate kvstore's settings; on error log at ERROR with the fix and raise.
+
+    LMCache catches a plugin constructor's exception and only logs it, so the log line
+    here is what an operator sees: it names the setting and what to write instead.
+    """
+    try:
+        cfg = StoreConfig.from_mapping(extra_config or {})
+        user_set = "kvstore.timeout_s" in (extra_config or {}) or "KVSTORE_TIMEOUT_S" in os.environ
+        if blocking_timeout_s is not None and not user_set:
+            # default: answer comfortably before LMCache's own deadline
+            cfg = replace(cfg, timeout_s=min(cfg.timeout_s, 0.8 * blocking_timeout_s))
+        cfg.validate(blocking_timeout_s=blocking_timeout_s)
+        return cfg
+    except StoreConfigError as exc:
+        log.error("kvstore %s is NOT loaded, LMCache will run without it: %s", who, exc)
+        raise
+
+
+class StoreRuntime:
+    """A store living on its own loop thread, callable from any thread with deadlines."""
+
+    def __init__(self, cfg: StoreConfig, *, name: str = "kvstore") -> None:
+        self.cfg = cfg
+        self.counters = PluginCounters()
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+        self._lock = threading.Lock()
+        self._inflight: dict[str, concurrent.futures.Future] = {}
+        self.pending_bytes = 0
+        self._closed = False
+        try:
+            self.store = self.submit(self._open()).result(timeout=60)
+        except Exception as exc:
+            self._stop()
+            log.error("kvstore could not open its tiers %s: %s", cfg.describe()["tiers"], exc)
+            raise
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def _open(self):
+        return self.cfg.build()
+
+    # ------------------------------------------------------------- calling in
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine[Any, Any, T], default: T, what: str) -> T:
+        """Run on the store's loop and wait at most ``timeout_s``; faults become `default`."""
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout=self.cfg.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            self.counters.timeouts += 1
+            log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, self.cfg.timeout_s)
+        except Exception as exc:
+            self.counters.errors += 1
+            log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
+        return default
+
+    async def acall(self, coro: Coroutine[Any, Any, T], default: T, what: str) -> T:
+        """`call` for a caller running on another event loop (LMCache's)."""
+        fut = asyncio.wrap_future(self.submit(coro))
+        try:
+            return await asyncio.wait_for(fut, timeout=self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            self.counters.timeouts += 1
+            log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, self.cfg.timeout_s)
+        except Exception as exc:
+            self.counters.errors += 1
+            log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
+        return default
+
+    # --------------------------------------------------------- background puts
+    def start_put(
+        self,
+        items: list[tuple[str, Any, int]],
+        make_coro: Callable[[list[int]], Coroutine[Any, Any, list[bool]]],
+        release: Callable[[int], None],
+    ) -> tuple[concurrent.futures.Future | None, list[int]]:
+        """Start a write of ``items`` = (name, obj, nbytes) without waiting for it.
+
+        Names already being written are skipped (LMCache does not dedupe repeated
+        stores); a write that would take pending bytes past ``max_pending`` is dropped
+        and counted, never waited for.  ``make_coro(indices)`` writes the chosen
+        items; ``release(index)`` is called for each chosen item when its write ends.
+        Returns the future of the write and the chosen indices.
+        """
+        chosen: list[int] = []
+        with self._lock:
+            for i, (name, _obj, nbytes) in enumerate(items):
+                if name in self._inflight:
+                    self.counters.put_deduped += 1
+                    continue
+                budget = self.cfg.max_pending
+                if budget is not None and self.pending_bytes + nbytes > budget:
+                    self.counters.put_dropped_budget += 1
+                    continue
+                self.pending_bytes += nbytes
+                chosen.append(i)
+            if not chosen:
+                return None, []
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            for i in chosen:
+                self._inflight[items[i][0]] = fut
+        self.counters.put_submitted += len(chosen)
+        inner = self.submit(self._guarded_put(make_coro, chosen))
+
+        def done(f: concurrent.futures.Future) -> None:
+            try:
+                oks = f.result()
+            except BaseException as exc:  # cancelled or failed: nothing stored
+                log.warning("kvstore: background write failed: %s", exc)
+                oks = [False] * len(chosen)
+            with self._lock:
+                for i, ok in zip(chosen, oks):
+                    self._inflight.pop(items[i][0], None)
+                    self.pending_bytes -= items[i][2]
+                    if ok:
+                        self.counters.put_ok += 1
+                    else:
+                        self.counters.put_failed += 1
+            for i in chosen:
+                try:
+                    release(i)
+                except Exception:
+                    log.exception("kvstore: releasing a stored MemoryObj failed")
+            if not fut.done():
+                fut.set_result(oks)
+
+        inner.add_done_callback(done)
+        return fut, chosen
+
+    async def _guarded_put(self, make_coro, chosen: list[int]) -> list[bool]:
+        try:
+            return await asyncio.wait_for(make_coro(chosen), timeout=max(30.0, 6 * self.cfg.timeout_s))
+        except Exception as exc:
+            log.warning("kvstore: write of %d chunk(s) failed: %s", len(chosen), exc)
+            return [False] * len(chosen)
+
+    def inflight(self, name: str) -> concurrent.futures.Future | None:
+        with self._lock:
+            return self._inflight.get(name)
+
+    def wait_writes(self, timeout: float | None = None) -> bool:
+        """Block until the writes started so far have ended (tests, benchmarks, shutdown)."""
+        with self._lock:
+            futs = set(self._inflight.values())
+        _, pending = concurrent.futures.wait(futs, timeout=timeout)
+        return not pending
+
+    # ------------------------------------------------------------------ close
+    def stats(self) -> dict[str, Any]:
+        st = self.store.stats()
+        return {
+            "plugin": asdict(self.counters),
+            "store": asdict(st) if hasattr(st, "__dataclass_fields__") else st,
+        }
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_writes(timeout=max(30.0, 6 * self.cfg.timeout_s))
+        try:
+            self.submit(self.store.close()).result(timeout=30)
+        except Exception as exc:
+            log.warning("kvstore: closing the store failed: %s", exc)
+        self._stop()
+
+    def _stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+__all__ = ["PluginCounters", "StoreConfigError", "StoreRuntime", "load_config"]

@@ -1,0 +1,193 @@
+"""kvstore as an LMCache storage plugin (``StoragePluginInterface``).
+
+Load it with::
+
+    LMCACHE_STORAGE_PLUGINS=kvstore
+    LMCACHE_EXTRA_CONFIG='{"storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+                           "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
+                           "kvstore.tiers": ["mem://hot?capacity=2GiB", "file:///var/cache/kv"]}'
+
+Owns: translating LMCache's backend calls into store calls.  Must not touch:
+storage logic (the store), LMCache's loop (reads it is asked for on that loop are
+awaited through the plugin's own loop, with a deadline).
+
+Threading: ``batched_submit_put_task`` runs on the inference thread and LMCache drops
+its reference when it returns, so the plugin takes a reference (``ref_count_up``),
+hands the write to its own loop and returns at once; the reference is released when
+the write ends.  Blocking calls wait at most ``kvstore.timeout_s`` (below LMCache's
+``blocking_timeout_secs``); a timeout or a fault is a miss and a counted error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
+
+from plugins.chunk_io import read_chunks, write_chunks
+from plugins.keymap import object_name
+from plugins.runtime import StoreRuntime, load_config, log
+
+
+class KVStoreStoragePlugin(StoragePluginInterface):
+    def __init__(
+        self,
+        dst_device: str = "cpu",
+        config: Any = None,
+        metadata: Any = None,
+        local_cpu_backend: Any = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(
+            dst_device=dst_device,
+            config=config,
+            metadata=metadata,
+            local_cpu_backend=local_cpu_backend,
+            loop=loop,
+        )
+        if local_cpu_backend is None:
+            msg = (
+                "the kvstore storage plugin needs LMCache's CPU backend as its allocator; "
+                "set LMCACHE_MAX_LOCAL_CPU_SIZE > 0 (LMCACHE_LOCAL_CPU may stay False)"
+            )
+            log.error("kvstore storage plugin is NOT loaded: %s", msg)
+            raise ValueError(msg)
+        extra = getattr(config, "extra_config", None) or {}
+        blocking = getattr(config, "blocking_timeout_secs", None)
+        self.kv_config = load_config(extra, blocking, "storage plugin")
+        self.runtime = StoreRuntime(self.kv_config, name="kvstore-plugin")
+        self._ns = self.kv_config.namespace
+        log.info("kvstore storage plugin ready: %s", self.kv_config.describe())
+
+    def __str__(self) -> str:
+        return "KVStoreStoragePlugin"
+
+    def _name(self, key: CacheEngineKey) -> str:
+        return object_name(key, self._ns)
+
+    # ------------------------------------------------------------------ lookups
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self.batched_contains([key], pin) == 1
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        names = [self._name(k) for k in keys]
+        n = 0
+        while n < len(names) and self.runtime.inflight(names[n]) is not None:
+            n += 1  # being written by this process: visible to its own readers
+        if n == len(names):
+            return n
+        return n + self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+
+    async def batched_async_contains(
+        self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
+    ) -> int:
+        names = [self._name(k) for k in keys]
+        n = 0
+        while n < len(names) and self.runtime.inflight(names[n]) is not None:
+            n += 1
+        if n == len(names):
+            return n
+        return n + await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        return self.runtime.inflight(self._name(key)) is not None
+
+    # ------------------------------------------------------------------- writes
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: list[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
+    ) -> list[concurrent.futures.Future] | None:
+        names = [self._name(k) for k in keys]
+        items = [(n, o, o.get_size()) for n, o in zip(names, objs)]
+
+        def make_coro(chosen: list[int]):
+            return write_chunks(self.runtime.store, [names[i] for i in chosen], [objs[i] for i in chosen])
+
+        def release(i: int) -> None:
+            objs[i].ref_count_down()
+            if on_complete_callback is not None:
+                try:
+                    on_complete_callback(keys[i])
+                except Exception as exc:
+                    log.warning("kvstore: on_complete_callback for %s failed: %s", keys[i], exc)
+
+        # take references before the write can start; give back those not written
+        for o in objs:
+            o.ref_count_up()
+        fut, chosen = self.runtime.start_put(items, make_coro, release)
+        for i in set(range(len(objs))) - set(chosen):
+            objs[i].ref_count_down()
+        return [fut] if fut is not None else None
+
+    async def async_batched_submit_put_task(
+        self, keys, objs, transfer_spec=None, on_complete_callback=None
+    ) -> None:
+        self.batched_submit_put_task(keys, objs, transfer_spec, on_complete_callback)
+
+    # -------------------------------------------------------------------- reads
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        return self.batched_get_blocking([key])[0]
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        names = [self._name(k) for k in keys]
+        self._wait_inflight(names)
+        coro = read_chunks(self.runtime.store, names, self.local_cpu_backend, self.runtime.counters)
+        return self.runtime.call(coro, [None] * len(keys), "read")
+
+    async def batched_get_non_blocking(
+        self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
+    ) -> list[MemoryObj]:
+        names = [self._name(k) for k in keys]
+        pending = [f for f in (self.runtime.inflight(n) for n in names) if f is not None]
+        if pending:
+            await asyncio.wait(
+                [asyncio.wrap_future(f) for f in set(pending)], timeout=self.kv_config.timeout_s
+            )
+        coro = read_chunks(
+            self.runtime.store, names, self.local_cpu_backend, self.runtime.counters, prefix_only=True
+        )
+        return await self.runtime.acall(coro, [], "read")
+
+    def _wait_inflight(self, names: list[str]) -> None:
+        pending = {f for f in (self.runtime.inflight(n) for n in names) if f is not None}
+        if pending:
+            concurrent.futures.wait(pending, timeout=self.kv_config.timeout_s)
+
+    # ------------------------------------------------------------ housekeeping
+    def pin(self, key: CacheEngineKey) -> bool:
+        self.runtime.store.pin([self._name(key)])
+        return True
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        self.runtime.store.unpin([self._name(key)])
+        return True
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        return self.runtime.call(self.runtime.store.delete_many([self._name(key)]), [False], "remove")[0]
+
+    def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
+        names = [self._name(k) for k in keys]
+        return sum(self.runtime.call(self.runtime.store.delete_many(names), [False] * len(names), "remove"))
+
+    def touch_cache(self) -> None:
+        return None
+
+    def get_allocator_backend(self):
+        return self.local_cpu_backend
+
+    def wait_for_writes(self, timeout: float | None = None) -> bool:
+        return self.runtime.wait_writes(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        return self.runtime.stats()
+
+    def close(self) -> None:
+        self.runtime.close()

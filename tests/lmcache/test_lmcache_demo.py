@@ -1,0 +1,27 @@
+"""`kvstore demo` end to end: a real model, the real LMCache engine, kvstore underneath."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch):
+    from kvstore.cli.demo import demo
+
+    monkeypatch.setenv("KVSTORE_HOME", str(tmp_path))
+    args = ["--json", "--prompts", "1", "--prompt-tokens", "257", "--chunk-size", "128", "--new-tokens", "4"]
+    args += ["--tier", "mem://demo-test-hot", "--tier", "mem://demo-test-warm"]
+    res = CliRunner().invoke(demo, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output[res.output.index("{") :])
+    first, second = rep["passes"][0], rep["passes"][1]
+    assert first["hit_tokens"] == 0
+    p = second["prompts"][0]
+    assert p["hit_tokens"] == 256, "both full chunks come back from kvstore"
+    assert p["tokens_by_tier"] == {"1:mem(raw)": 256}, "the restarted hot tier is empty: the warm tier serves"
+    assert p["identical"], "raw tiers return the exact KV, so the continuation is the same"

@@ -1,0 +1,108 @@
+"""Both plugin paths through the real LMCache engine on CPU, sync and async loading."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
+
+PATHS = [("plugin", False), ("plugin", True), ("remote", False), ("remote", True)]
+IDS = ["plugin-sync", "plugin-async", "remote-sync", "remote-async"]
+
+
+def _store(eng, tokens, kv):
+    eng.engine.store(tokens, kvcaches=kv)
+    assert eng.wait_for_writes(10)
+
+
+def _same_prefix(a, b, n):
+    return all(
+        torch.equal(ka[:, :, :n], kb[:, :, :n]) and torch.equal(va[:, :, :n], vb[:, :, :n])
+        for (ka, va), (kb, vb) in zip(a, b)
+    )
+
+
+@pytest.mark.parametrize(("path", "asyncm"), PATHS, ids=IDS)
+def test_store_lookup_retrieve_is_bytes_equal(make_engine, path, asyncm):
+    eng = make_engine(path, asyncm)
+    assert eng.kvstore_backend() is not None, "kvstore was not loaded by LMCache"
+    tokens = torch.arange(4 * CHUNK)
+    kv = random_kv(len(tokens))
+    _store(eng, tokens, kv)
+
+    out = empty(len(tokens))
+    hit, got = eng.lookup_then_load(tokens, out)
+    assert (hit, got) == (len(tokens), len(tokens))
+    assert _same_prefix(kv, out, len(tokens))
+    assert cpu_bytes_in_use(eng) == 0, "every MemoryObj went back to LMCache's allocator"
+
+
+@pytest.mark.parametrize(("path", "asyncm"), PATHS, ids=IDS)
+def test_partial_hit_returns_the_right_prefix(make_engine, path, asyncm):
+    eng = make_engine(path, asyncm)
+    tokens = torch.arange(4 * CHUNK)
+    kv = random_kv(len(tokens), seed=1)
+    _store(eng, tokens, kv)
+
+    # same first 2.5 chunks, then different tokens: exactly two chunks match
+    other = torch.cat([tokens[: 2 * CHUNK + CHUNK // 2], torch.arange(10_000, 10_000 + CHUNK + CHUNK // 2)])
+    out = empty(len(other))
+    hit, got = eng.lookup_then_load(other, out)
+    assert (hit, got) == (2 * CHUNK, 2 * CHUNK)
+    assert _same_prefix(kv, out, 2 * CHUNK)
+    assert not out[0][0][:, :, 2 * CHUNK :].any(), "nothing past the hit may be written"
+
+    fresh = torch.arange(50_000, 50_000 + 2 * CHUNK)
+    assert eng.lookup_then_load(fresh, empty(len(fresh))) == (0, 0)
+    assert cpu_bytes_in_use(eng) == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "asyncm"), [("plugin", False), ("remote", True)], ids=["plugin-sync", "remote-async"]
+)
+def test_a_deleted_chunk_shortens_the_hit(make_engine, path, asyncm):
+    eng = make_engine(path, asyncm)
+    tokens = torch.arange(4 * CHUNK)
+    kv = random_kv(len(tokens), seed=2)
+    _store(eng, tokens, kv)
+    backend = eng.kvstore_backend()
+    keys = [k for _, _, k in eng.engine.token_database.process_tokens(tokens)]
+    # chunk 2 disappears from storage (evicted or lost): the hit stops before it
+    names = [backend._name(keys[2])]
+    assert backend.runtime.call(backend.runtime.store.delete_many(names), [False], "delete") == [True]
+    out = empty(len(tokens))
+    assert eng.lookup_then_load(tokens, out) == (2 * CHUNK, 2 * CHUNK)
+    assert _same_prefix(kv, out, 2 * CHUNK)
+
+
+def test_repeated_stores_are_written_once(make_engine):
+    eng = make_engine("plugin", False)
+    tokens = torch.arange(2 * CHUNK)
+    kv = random_kv(len(tokens), seed=3)
+    for _ in range(3):
+        eng.engine.store(tokens, kvcaches=kv)
+    backend = eng.kvstore_backend()
+    assert eng.wait_for_writes(10)
+    stats = backend.stats()
+    assert stats["store"]["put_ok"] == 2, "each chunk reaches the tiers once"
+    assert stats["plugin"]["put_failed"] == 0
+
+
+def test_bad_config_fails_loudly(make_engine, caplog):
+    caplog.set_level(logging.ERROR, logger="kvstore.plugins")
+    eng = make_engine("plugin", False, tiers=["nosuch://x"])
+    # LMCache swallows the constructor's exception and runs without the plugin...
+    assert eng.kvstore_backend() is None
+    # ...so the error log must say what is wrong and how to fix it
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "NOT loaded" in msg and "unknown backend scheme 'nosuch'" in msg
+
+
+def test_timeout_must_be_below_lmcache_deadline(make_engine, caplog):
+    caplog.set_level(logging.ERROR, logger="kvstore.plugins")
+    eng = make_engine("remote", False, extra={"kvstore.timeout_s": 9})
+    assert eng.kvstore_backend() is None
+    assert "below LMCache's blocking_timeout_secs" in caplog.text

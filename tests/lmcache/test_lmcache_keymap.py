@@ -1,0 +1,31 @@
+"""LMCache keys map to distinct, reversible kvstore object names."""
+
+from __future__ import annotations
+
+import torch
+from lmcache.utils import CacheEngineKey
+
+from kvstore.keys import ChunkKey
+from plugins.keymap import chunk_key, object_name
+
+
+def _key(h: int, dtype=torch.bfloat16, **kw) -> CacheEngineKey:
+    return CacheEngineKey(
+        model_name="org/Model-7B", world_size=2, worker_id=1, chunk_hash=h, dtype=dtype, **kw
+    )
+
+
+def test_negative_and_positive_hashes_differ_and_read_back():
+    a, b = object_name(_key(-12345), "ns"), object_name(_key(12345), "ns")
+    assert a != b
+    assert ChunkKey.from_object_name(a).chunk_hash == -12345
+    assert ChunkKey.from_object_name(b) == chunk_key(_key(12345), "ns")
+
+
+def test_dtype_layer_and_tags_are_part_of_the_name():
+    base = object_name(_key(7), "ns")
+    assert object_name(_key(7, dtype=torch.float16), "ns") != base
+    assert object_name(_key(7).split_layers(3)[1], "ns") != base
+    tagged = _key(7, request_configs={"lmcache.tag.user": "alice"})
+    assert object_name(tagged, "ns") != base
+    assert object_name(_key(7), "other") != base
