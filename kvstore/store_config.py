@@ -17,6 +17,12 @@ Sources, lowest precedence first (later ones override single keys):
 one string of URLs separated by ``,`` / whitespace.  Byte budgets live in each URL
 (``mem://hot?capacity=2GiB``, ``file:///var/kv?capacity=50GiB``).  ``cold_codec`` sets
 the codec of the last tier when there are two or more (e.g. ``cachegen``).
+
+`build()` opens a `kvstore.tiered.TieredStore`: ``policy`` names its placement policy
+(``chain`` by default; ``lru``, ``lfu``, ``arc``, ``wtinylfu``), and the store finds
+objects other processes stored in shared tiers.  Every tier below the first is written
+through unless its URL says ``write=back`` (then it fills only by demotion), so a chunk
+reaches the shared, persistent tiers when it is stored, not only when memory evicts it.
 """
 
 from __future__ import annotations
@@ -28,14 +34,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from kvstore.config import kvstore_home, parse_size
+from kvstore.policy import DEFAULT_POLICY, ONLINE_POLICIES
 
 PREFIX = "kvstore."
 ENV_PREFIX = "KVSTORE_"
 KEYS = ("tiers", "cold_codec", "namespace", "timeout_s", "max_pending", "policy", "config_file")
-POLICIES = ("write-through",)
+POLICIES = ONLINE_POLICIES
 _ENV_FOR = {
     "tiers": "KVSTORE_TIERS",
     "cold_codec": "KVSTORE_COLD_CODEC",
@@ -81,7 +88,7 @@ class StoreConfig:
     namespace: str = "default"
     timeout_s: float = 5.0
     max_pending: int | None = 1 << 30
-    policy: str = "write-through"
+    policy: str = DEFAULT_POLICY
 
     # ---------------------------------------------------------------- sources
     @classmethod
@@ -163,15 +170,21 @@ class StoreConfig:
                 f"blocking_timeout_secs={blocking_timeout_s}, so a slow tier becomes a miss "
                 "before LMCache gives up; lower kvstore.timeout_s"
             )
+        if self.policy == "write-through":
+            raise StoreConfigError(
+                "kvstore.policy 'write-through' is gone: lower tiers are written through by default "
+                f"(write=back in a tier URL turns it off); set kvstore.policy to one of {', '.join(POLICIES)}"
+            )
         if self.policy not in POLICIES:
             raise StoreConfigError(f"kvstore.policy {self.policy!r} is unknown; known: {', '.join(POLICIES)}")
 
     # ------------------------------------------------------------------ build
     def build(self):
         """Open the store this config describes (call inside the event loop that will use it)."""
-        from kvstore.tier_stack import TierStack
+        from kvstore.tiered import TieredStore
 
-        return TierStack.open([(t.url, t.codec) for t in self.tiers])
+        specs = [(_written_through(t.url) if i else t.url, t.codec) for i, t in enumerate(self.tiers)]
+        return TieredStore.from_urls(specs, policy=self.policy, discover=True)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -258,6 +271,15 @@ def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
                 f"kvstore.tiers[{i}] must be a URL string or {{'url': ..., 'codec': ...}}, got {item!r}"
             )
     return tuple(tiers)
+
+
+def _written_through(url: str) -> str:
+    """`url` with ``write=through`` unless it names a write mode already."""
+    parts = urlsplit(url)
+    if any(k == "write" for k, _ in parse_qsl(parts.query, keep_blank_values=True)):
+        return url
+    query = f"{parts.query}&write=through" if parts.query else "write=through"
+    return parts._replace(query=query).geturl()
 
 
 def _parse_float(name: str, value: Any) -> float:

@@ -24,9 +24,16 @@ API (all batched, all async except pin/unpin/stats):
   consecutive chunks of one prompt, in order, and `parent` names the chunk just before
   the first (the end of the prefix already cached): the policy then knows each chunk's
   place in its prefix chain.  A write becomes visible only once it has landed.
+* ``put_many(..., layout="raw")``  `layout` tags the stored frame (e.g.
+  ``"lmcache:KV_2LTD"``) and comes back in the header a reader sees.
 * ``get_many(names, out=None) -> [tensor | None]``  Read from the highest tier holding
-  each name (into ``out[i]`` when given); a hit in a lower tier is promoted in the
-  background.  Defective frames are quarantined and read as misses.
+  each name; a hit in a lower tier is promoted in the background.  Defective frames are
+  quarantined and read as misses.  ``out[i]`` may be a tensor to decode into, or a
+  callable ``(FrameHeader) -> tensor | None`` called once the frame is read and
+  verified, so the caller allocates exactly the stored shape (None: skip it, a miss
+  that leaves the object stored; so is a tensor that does not fit).  With every
+  ``out[i]`` given, reads from non-memory tiers land in pooled, reused buffers and are
+  decoded straight into the caller's tensors: one copy.
 * ``contains_many(names) -> [bool]``, ``delete_many(names) -> [bool existed]``.
 * ``prefix_lookup(names) -> int``  How many leading names are held in some tier (the
   question LMCache asks before retrieving); changes no policy state.
@@ -34,6 +41,13 @@ API (all batched, all async except pin/unpin/stats):
   unpinned or until its pin expires (`pin_ttl` seconds by default).
 * ``drain()``  Wait for background copies (promotions, demotions).
 * ``stats() -> StoreStats``; ``metrics.text()`` for Prometheus; ``close()``.
+
+With ``discover=True`` (the LMCache plugins' setting) names the engine does not know are
+looked up in the tiers themselves: a lookup asks the backends, a read tries each tier in
+order, and an object found is adopted into the engine's books.  That is how a process
+finds what another process (or an earlier run) stored in a shared disk, Redis or S3
+tier, and how a name forgotten after a failed read (a server down for a moment) hits
+again once the server is back.
 
 Guarantees: a name being written is invisible until complete; a name being read, written
 or pinned is never chosen as a victim; a victim is demoted to the next tier (if that tier
@@ -51,12 +65,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Union
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvstore.backends.base import BackendStats
+from kvstore.buffers import BufferPool
 from kvstore.config import parse_size
-from kvstore.frame import FrameError
+from kvstore.frame import FrameError, FrameHeader
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import NO_RULE, NamespaceBook, NamespaceRule, namespace_of
 from kvstore.policy import DEFAULT_POLICY, NO_META, ChunkMeta, Move, Placement, TierState, make_policy
@@ -70,6 +85,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 UNBOUNDED = sys.maxsize
+Out = Union["torch.Tensor", Callable[[FrameHeader], "torch.Tensor | None"], None]
+# outcome of reading one name from one tier
+HIT, GONE, DECLINED = 0, 1, 2
 STORE_OPTIONS = frozenset({"capacity", "policy", "write", "high", "low"})
 
 
@@ -105,6 +123,7 @@ class TierStats:
     used_bytes: int
     objects: int
     hits: int
+    bytes_read: int
     writes: int
     evictions: int
     promotions_in: int
@@ -119,6 +138,8 @@ class StoreStats:
     namespaces: dict[str, dict[str, int]] = field(default_factory=dict)
     moves_in_flight: int = 0
     pinned: int = 0
+    declined: int = 0  # reads the caller skipped, or whose buffer did not fit the frame
+    discovered: int = 0  # objects found in a tier the engine did not know of, and adopted
 
 
 class _Protected:
@@ -151,6 +172,8 @@ class TieredStore:
         promote: bool = True,
         clock: Callable[[], float] = time.monotonic,
         registry: CollectorRegistry | None = None,
+        discover: bool = False,
+        pool: BufferPool | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -191,6 +214,11 @@ class TieredStore:
         self._sem: asyncio.Semaphore | None = None
         self._protected = _Protected(self)
         self._closed = False
+        self.discover = discover
+        self.pool = pool if pool is not None else BufferPool()
+        self._pooled = [not s.tier.backend.url.startswith("mem:") for s in self.specs]
+        self._declined = 0
+        self._discovered = 0
 
     @classmethod
     def from_urls(
@@ -240,12 +268,43 @@ class TieredStore:
             if self._visible(name, now) is None:
                 break
             n += 1
+        # the first unknown name decides whether the rest are worth asking about
+        if n < len(names) and self.discover and (await self._found_in_tiers(names[n : n + 1], now))[0]:
+            n += 1
+            for found in await self._found_in_tiers(names[n:], now):
+                if not found:
+                    break
+                n += 1
         return n
 
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         now = self._clock()
         await self._expire(now)
+        if self.discover:
+            return await self._found_in_tiers(names, now)
         return [self._visible(n, now) is not None for n in names]
+
+    def _discoverable(self, name: str) -> bool:
+        """Unknown to the engine, and no write or copy of ours is under way."""
+        return self.placement.where(name) is None and name not in self._writing and name not in self._copies
+
+    async def _found_in_tiers(self, names: Sequence[str], now: float | None = None) -> list[bool]:
+        """Visible, or (unknown to the engine) stored in some tier by someone else."""
+        now = self._clock() if now is None else now
+        found = [self._visible(n, now) is not None for n in names]
+        todo = [i for i, n in enumerate(names) if not found[i] and self._discoverable(n)]
+        for tier in self.tiers:
+            if not todo:
+                break
+            try:
+                held = await tier.contains_many([names[i] for i in todo])
+            except Exception as exc:  # a tier that cannot answer holds nothing we can read
+                log.warning("kvstore: contains on %s failed: %s", tier.name, exc)
+                continue
+            for i, h in zip(todo, held):
+                found[i] = h
+            todo = [i for i in todo if not found[i]]
+        return found
 
     # -- writes --------------------------------------------------------------------------
     async def put_many(
@@ -360,32 +419,36 @@ class TieredStore:
 
     # -- reads ---------------------------------------------------------------------------
     async def get_many(
-        self, names: Sequence[str], out: Sequence[torch.Tensor | None] | None = None
+        self, names: Sequence[str], out: Sequence[Out] | None = None
     ) -> list[torch.Tensor | None]:
-        """Tensors for `names` (None = miss); with `out`, each hit is written into out[i]."""
+        """Tensors for `names` (None = miss); see the module docstring for `out`."""
         now = self._clock()
         await self._expire(now)
         result: list[torch.Tensor | None] = [None] * len(names)
         groups: dict[int, list[tuple[int, int]]] = {}  # source tier -> [(index, placed tier)]
+        unknown: list[int] = []
         for i, name in enumerate(names):
             j = self._visible(name, now)
             if j is None:
+                if self.discover and self._discoverable(name):
+                    unknown.append(i)
                 continue
             src = self._landing.get((name, j), j)
             groups.setdefault(src, []).append((i, j))
             self._reading[name] += 1
         served: list[bool] = [False] * len(names)
+        moves: list[Move] = []
         try:
-            await asyncio.gather(
-                *(self._read_group(src, g, names, out, result, served) for src, g in groups.items())
-            )
+            reads = [self._read_group(src, g, names, out, result, served) for src, g in groups.items()]
+            if unknown:
+                reads.append(self._discover_reads(unknown, names, out, result, served, moves, now))
+            await asyncio.gather(*reads)
         finally:
             for idxs in groups.values():
                 for i, _ in idxs:
                     self._reading[names[i]] -= 1
                     if self._reading[names[i]] <= 0:
                         del self._reading[names[i]]
-        moves: list[Move] = []
         for i, name in enumerate(names):
             ns = namespace_of(name)
             if not served[i]:
@@ -396,12 +459,60 @@ class TieredStore:
         self._update_gauges()
         return result
 
+    async def _read_tier(
+        self, j: int, names: Sequence[str], outs: Sequence[Out] | None
+    ) -> list[tuple[torch.Tensor | None, int, int]]:
+        """(tensor, HIT | GONE | DECLINED, stored bytes) per name, read from tier `j`.
+
+        With a target for every name, a non-memory tier reads into pooled buffers that go
+        back to the pool once decoded (nothing views them then)."""
+        tier = self.tiers[j]
+        taken: list[bytearray] = []
+        pooled = self._pooled[j] and outs is not None and all(o is not None for o in outs)
+
+        def alloc(size: int) -> memoryview:
+            buf = self.pool.take(size)
+            taken.append(buf)
+            return memoryview(buf)
+
+        res: list[tuple[torch.Tensor | None, int, int]] = []
+        try:
+            frames = await tier.get_frames(names, alloc if pooled else None)
+            for k, (name, frame) in enumerate(zip(names, frames)):
+                if frame is None:
+                    res.append((None, GONE, 0))
+                    continue
+                size = frame.header.plen
+                target = outs[k] if outs is not None else None
+                try:
+                    if callable(target):
+                        target = target(frame.header)
+                        if target is None:
+                            self._declined += 1
+                            res.append((None, DECLINED, size))
+                            continue
+                    dec = tier._decoder(frame.header.codec)
+                    res.append((dec.decode_payload(frame.payload, frame.header, target), HIT, size))
+                except FrameError as exc:
+                    tier.counters.hits -= 1
+                    await tier._quarantine(name, exc)
+                    res.append((None, GONE, 0))
+                except Exception as exc:  # the caller's buffer did not fit: a miss, not a defect
+                    self._declined += 1
+                    log.warning("kvstore: could not decode %s from %s: %s", name, tier.name, exc)
+                    res.append((None, DECLINED, size))
+            del frames  # payload views end here: decoded into the caller's tensors
+        finally:
+            for buf in taken:
+                self.pool.give(buf)
+        return res
+
     async def _read_group(
         self,
         src: int,
         group: list[tuple[int, int]],
         names: Sequence[str],
-        out: Sequence[torch.Tensor | None] | None,
+        out: Sequence[Out] | None,
         result: list[torch.Tensor | None],
         served: list[bool],
     ) -> None:
@@ -410,17 +521,19 @@ class TieredStore:
         sub_out = [out[i] for i, _ in group] if out is not None else None
         corrupt0 = tier.counters.corrupt
         t0 = time.perf_counter()
-        got = await tier.get_many(sub, sub_out)
+        got = await self._read_tier(src, sub, sub_out)
         self.metrics.op_seconds.labels("get", self.tier_names[src]).observe(time.perf_counter() - t0)
         bad = tier.counters.corrupt - corrupt0
         if bad:
             self.metrics.quarantines.labels(self.tier_names[src]).inc(bad)
-        for (i, placed), tensor in zip(group, got):
+        for (i, placed), (tensor, status, _) in zip(group, got):
             name = names[i]
-            if tensor is None and placed != src:
+            if status == GONE and placed != src:
                 # read where its bytes were while a copy was landing; it may just have landed
                 target = [out[i]] if out is not None else None
-                tensor = (await self.tiers[placed].get_many([name], target))[0]
+                tensor, status, _ = (await self._read_tier(placed, [name], target))[0]
+            if status == DECLINED:
+                continue  # still stored: the caller did not take it
             if tensor is None:
                 # the engine believed it held: the object is gone or was corrupt
                 self.placement.forget(name, placed)
@@ -434,6 +547,41 @@ class TieredStore:
             self.metrics.bytes_out.labels(self.tier_names[src], ns).inc(
                 self.placement.tiers[placed].resident.get(name, 0)
             )
+
+    async def _discover_reads(
+        self,
+        todo: list[int],
+        names: Sequence[str],
+        out: Sequence[Out] | None,
+        result: list[torch.Tensor | None],
+        served: list[bool],
+        moves: list[Move],
+        now: float,
+    ) -> None:
+        """Read names the engine does not know from each tier in turn; adopt what is found."""
+        for j in range(len(self.tiers)):
+            if not todo:
+                return
+            sub_out = [out[i] for i in todo] if out is not None else None
+            got = await self._read_tier(j, [names[i] for i in todo], sub_out)
+            still = []
+            for i, (tensor, status, size) in zip(todo, got):
+                name = names[i]
+                if status == GONE:
+                    still.append(i)
+                    continue
+                if self._discoverable(name):  # nobody stored it meanwhile
+                    moves.extend(self.placement.adopt(name, j, size, self._protected))
+                    if self.placement.where(name) is not None and name not in self.book:
+                        self.book.add(name, size, now)
+                    self._discovered += 1
+                if status == HIT:
+                    result[i] = tensor
+                    served[i] = True
+                    ns = namespace_of(name)
+                    self.metrics.hits.labels(self.tier_names[j], ns).inc()
+                    self.metrics.bytes_out.labels(self.tier_names[j], ns).inc(size)
+            todo = still
 
     # -- deletes, pins -------------------------------------------------------------------
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
@@ -615,6 +763,7 @@ class TieredStore:
                     used_bytes=st.used,
                     objects=len(st.resident),
                     hits=c.hits,
+                    bytes_read=c.bytes_read,
                     writes=c.writes,
                     evictions=c.evictions,
                     promotions_in=c.promotions_in,
@@ -632,6 +781,8 @@ class TieredStore:
             },
             moves_in_flight=len(self._tasks),
             pinned=sum(1 for t in self._pins.values() if t > now),
+            declined=self._declined,
+            discovered=self._discovered,
         )
 
     async def close(self) -> None:

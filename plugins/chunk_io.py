@@ -21,18 +21,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvstore.plugins")
 
 
-async def write_chunks(store: Any, names: Sequence[str], objs: Sequence[MemoryObj]) -> list[bool]:
-    """Store what is not stored yet; True for each name stored (now or before)."""
-    present = await store.contains_many(names)
-    todo = [i for i, p in enumerate(present) if not p]
-    ok = [True] * len(names)
+async def write_chunks(
+    store: Any, names: Sequence[str], objs: Sequence[MemoryObj], *, parent: str | None = None
+) -> list[bool]:
+    """Store consecutive chunks of one prompt, in order; True for each name held afterwards.
+
+    `parent` names the chunk just before ``names[0]`` when the caller knows it.  Names
+    the store holds already are a touch there, not a rewrite.
+    """
+    ok = [False] * len(names)
     by_layout: dict[str, list[int]] = {}
     payloads = {}
-    for i in todo:
-        payloads[i], layout = payload_of(objs[i])
+    for i, obj in enumerate(objs):
+        payloads[i], layout = payload_of(obj)
         by_layout.setdefault(layout, []).append(i)
+    chained = len(by_layout) == 1  # one layout: the batch is the prompt's chunks in order
     for layout, idx in by_layout.items():
-        res = await store.put_many([names[i] for i in idx], [payloads[i] for i in idx], layout=layout)
+        res = await store.put_many(
+            [(names[i], payloads[i]) for i in idx],
+            chained=chained,
+            parent=parent if chained else None,
+            layout=layout,
+        )
         for i, r in zip(idx, res):
             ok[i] = r
     return ok

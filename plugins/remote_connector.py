@@ -81,7 +81,9 @@ class KVStoreRemoteConnector(RemoteConnector):
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
         names = [self._name(k) for k in keys]
-        return self.runtime.call(self.runtime.store.prefix_lookup(names), 0, "lookup")
+        n = self.runtime.call(self.runtime.store.prefix_lookup(names), 0, "lookup")
+        self.runtime.note_lookup(names, n)
+        return n
 
     def support_batched_async_contains(self) -> bool:
         return True
@@ -90,7 +92,9 @@ class KVStoreRemoteConnector(RemoteConnector):
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
         names = [self._name(k) for k in keys]
-        return await self.runtime.acall(self.runtime.store.prefix_lookup(names), 0, "lookup")
+        n = await self.runtime.acall(self.runtime.store.prefix_lookup(names), 0, "lookup")
+        self.runtime.note_lookup(names, n)
+        return n
 
     # -------------------------------------------------------------------- reads
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -127,9 +131,15 @@ class KVStoreRemoteConnector(RemoteConnector):
         for o in memory_objs:  # our own reference, held until the write really ends
             o.ref_count_up()
 
+        first_parent = self.runtime.parent_of(names[0]) if names else None
+
         def make_coro(chosen: list[int]):
+            parent = names[chosen[0] - 1] if chosen[0] else first_parent
             return write_chunks(
-                self.runtime.store, [names[i] for i in chosen], [memory_objs[i] for i in chosen]
+                self.runtime.store,
+                [names[i] for i in chosen],
+                [memory_objs[i] for i in chosen],
+                parent=parent,
             )
 
         fut, chosen = self.runtime.start_put(items, make_coro, lambda i: memory_objs[i].ref_count_down())

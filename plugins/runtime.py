@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
@@ -72,6 +73,7 @@ class StoreRuntime:
         self._inflight: dict[str, concurrent.futures.Future] = {}
         self.pending_bytes = 0
         self._closed = False
+        self._parents: OrderedDict[str, str] = OrderedDict()
         try:
             self.store = self.submit(self._open()).result(timeout=60)
         except Exception as exc:
@@ -116,6 +118,22 @@ class StoreRuntime:
             self.counters.errors += 1
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
         return default
+
+    # ------------------------------------------------------------ prefix chains
+    def note_lookup(self, names: list[str], hit: int) -> None:
+        """A lookup of a prompt's chunk names found `hit` of them: the store that follows
+        starts at ``names[hit]``, whose parent is ``names[hit - 1]``."""
+        if 0 < hit < len(names):
+            with self._lock:
+                self._parents[names[hit]] = names[hit - 1]
+                self._parents.move_to_end(names[hit])
+                while len(self._parents) > 4096:
+                    self._parents.popitem(last=False)
+
+    def parent_of(self, name: str) -> str | None:
+        """The chunk before `name` in the prompt a recent lookup saw, if known."""
+        with self._lock:
+            return self._parents.pop(name, None)
 
     # --------------------------------------------------------- background puts
     def start_put(

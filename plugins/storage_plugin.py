@@ -79,9 +79,10 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         n = 0
         while n < len(names) and self.runtime.inflight(names[n]) is not None:
             n += 1  # being written by this process: visible to its own readers
-        if n == len(names):
-            return n
-        return n + self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        if n < len(names):
+            n += self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        self.runtime.note_lookup(names, n)
+        return n
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
@@ -90,9 +91,10 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         n = 0
         while n < len(names) and self.runtime.inflight(names[n]) is not None:
             n += 1
-        if n == len(names):
-            return n
-        return n + await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        if n < len(names):
+            n += await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        self.runtime.note_lookup(names, n)
+        return n
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         return self.runtime.inflight(self._name(key)) is not None
@@ -108,8 +110,13 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         names = [self._name(k) for k in keys]
         items = [(n, o, o.get_size()) for n, o in zip(names, objs)]
 
+        first_parent = self.runtime.parent_of(names[0]) if names else None
+
         def make_coro(chosen: list[int]):
-            return write_chunks(self.runtime.store, [names[i] for i in chosen], [objs[i] for i in chosen])
+            parent = names[chosen[0] - 1] if chosen[0] else first_parent
+            return write_chunks(
+                self.runtime.store, [names[i] for i in chosen], [objs[i] for i in chosen], parent=parent
+            )
 
         def release(i: int) -> None:
             objs[i].ref_count_down()

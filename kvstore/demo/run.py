@@ -237,12 +237,18 @@ def run_demo(
                         hit_tokens=hit,
                         tokens_by_tier={
                             n: (a - b) * chunk_size
-                            for n, a, b in zip(tier_names, after.hits, before.hits)
+                            for n, a, b in zip(
+                                tier_names, [t.hits for t in after.tiers], [t.hits for t in before.tiers]
+                            )
                             if a > b
                         },
                         bytes_by_tier={
                             n: a - b
-                            for n, a, b in zip(tier_names, after.hit_bytes, before.hit_bytes)
+                            for n, a, b in zip(
+                                tier_names,
+                                [t.bytes_read for t in after.tiers],
+                                [t.bytes_read for t in before.tiers],
+                            )
                             if a > b
                         },
                         load_s=load_s,

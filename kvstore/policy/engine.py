@@ -226,6 +226,24 @@ class Placement:
             self.meta.pop(key, None)
         moves.append(Move("drop", key, size, j, None))
 
+    def adopt(self, key: Hashable, j: int, size: int, protected: Container = NOTHING) -> list[Move]:
+        """`key` was found already stored in tier `j` (written by another process or an
+        earlier run): count it there, evicting for room like a write would.  No write
+        move is returned (the bytes are there); if it does not fit, it is dropped."""
+        if self.where(key) is not None:
+            return []
+        moves: list[Move] = []
+        tier = self.tiers[j]
+        victims, ok = tier.make_room(size, protected)
+        for vkey, vsize in victims:
+            self._demote(j, vkey, vsize, protected, moves)
+        if ok:
+            tier.add(key, size, NO_META)
+        else:
+            tier.counters.rejected += 1
+            moves.append(Move("drop", key, size, j, None))
+        return moves
+
     def holders(self, key: Hashable) -> list[int]:
         """Every tier holding `key`, top first."""
         return [i for i, t in enumerate(self.tiers) if key in t.resident]

@@ -69,6 +69,7 @@ def test_cold_codec_sets_last_tier():
         ({"kvstore.max_pending": "lots"}, "cannot read size"),
         ({"kvstore.namespace": "a/b"}, "namespace"),
         ({"kvstore.policy": "random"}, "policy 'random' is unknown"),
+        ({"kvstore.policy": "write-through"}, "lower tiers are written through by default"),
     ],
 )
 def test_errors_name_the_setting(mapping, message):
