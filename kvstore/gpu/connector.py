@@ -54,18 +54,20 @@ __all__ = ["LayerwisePagedKVConnector", "PagedKVConnector", "make_connector"]
 class _PagedCore:
     """State shared by both connectors: bound caches, streams, scratch and pool."""
 
-    def _init_core(
+    def __init__(
         self,
-        kv_caches: Sequence[torch.Tensor] | None,
+        kv_caches: Sequence[torch.Tensor] | None = None,
         *,
-        layout: KVLayout | str | None,
-        num_layers: int | None,
-        hidden_dim_size: int | None,
-        use_mla: bool | None,
-        device: torch.device | str | None,
-        pool: PinnedPool | None,
-        stage_all: bool,
+        layout: KVLayout | str | None = None,
+        num_layers: int | None = None,
+        hidden_dim_size: int | None = None,
+        use_mla: bool | None = None,
+        device: torch.device | str | None = None,
+        pool: PinnedPool | None = None,
+        stage_all: bool = False,
     ) -> None:
+        # Comes first in both connectors' MRO, so LMCache's layerwise parent __init__
+        # (which needs CUDA) is deliberately never called.
         self.layout_hint = layout
         self.paged: PagedKVCache | None = None
         self.kvcaches: list[torch.Tensor] | None = None
@@ -92,6 +94,18 @@ class _PagedCore:
             self.load_stream = self.load_copies.stream
         self._store_scratch = DeviceScratch(self.device)
         self._load_scratch = DeviceScratch(self.device)
+
+    @classmethod
+    def from_metadata(cls, metadata: Any, device: torch.device | str | None = None, **kwargs: Any):
+        """Build from ``LMCacheMetadata`` (``kv_shape = (L, 2|1, chunk, H, D)``)."""
+        num_layers, _, _, heads, head_size = metadata.kv_shape
+        return cls(
+            num_layers=num_layers,
+            hidden_dim_size=heads * head_size,
+            use_mla=bool(metadata.use_mla),
+            device=device,
+            **kwargs,
+        )
 
     # -- binding --------------------------------------------------------------------
 
@@ -168,41 +182,6 @@ class PagedKVConnector(_PagedCore, GPUConnectorInterface):
     ``stage_all``: route every copy through device scratch and staging buffers even when
     caches and chunks share a device (exercises the GPU path's bookkeeping on CPU).
     """
-
-    def __init__(
-        self,
-        kv_caches: Sequence[torch.Tensor] | None = None,
-        *,
-        layout: KVLayout | str | None = None,
-        num_layers: int | None = None,
-        hidden_dim_size: int | None = None,
-        use_mla: bool | None = None,
-        device: torch.device | str | None = None,
-        pool: PinnedPool | None = None,
-        stage_all: bool = False,
-    ) -> None:
-        self._init_core(
-            kv_caches,
-            layout=layout,
-            num_layers=num_layers,
-            hidden_dim_size=hidden_dim_size,
-            use_mla=use_mla,
-            device=device,
-            pool=pool,
-            stage_all=stage_all,
-        )
-
-    @classmethod
-    def from_metadata(cls, metadata: Any, device: torch.device | str | None = None, **kwargs: Any):
-        """Build from ``LMCacheMetadata`` (``kv_shape = (L, 2|1, chunk, H, D)``)."""
-        num_layers, _, _, heads, head_size = metadata.kv_shape
-        return cls(
-            num_layers=num_layers,
-            hidden_dim_size=heads * head_size,
-            use_mla=bool(metadata.use_mla),
-            device=device,
-            **kwargs,
-        )
 
     @property
     def _fmt(self) -> MemoryFormat:
@@ -291,42 +270,6 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
       for every copy that still reads host memory, staging buffers go back to the pool.
       L + 2 steps in all.
     """
-
-    def __init__(
-        self,
-        kv_caches: Sequence[torch.Tensor] | None = None,
-        *,
-        layout: KVLayout | str | None = None,
-        num_layers: int | None = None,
-        hidden_dim_size: int | None = None,
-        use_mla: bool | None = None,
-        device: torch.device | str | None = None,
-        pool: PinnedPool | None = None,
-        stage_all: bool = False,
-    ) -> None:
-        # Deliberately not calling the LMCache parent's __init__ (it needs CUDA).
-        self._init_core(
-            kv_caches,
-            layout=layout,
-            num_layers=num_layers,
-            hidden_dim_size=hidden_dim_size,
-            use_mla=use_mla,
-            device=device,
-            pool=pool,
-            stage_all=stage_all,
-        )
-
-    @classmethod
-    def from_metadata(cls, metadata: Any, device: torch.device | str | None = None, **kwargs: Any):
-        """Build from ``LMCacheMetadata`` (``kv_shape = (L, 2|1, chunk, H, D)``)."""
-        num_layers, _, _, heads, head_size = metadata.kv_shape
-        return cls(
-            num_layers=num_layers,
-            hidden_dim_size=heads * head_size,
-            use_mla=bool(metadata.use_mla),
-            device=device,
-            **kwargs,
-        )
 
     @property
     def _fmt(self) -> MemoryFormat:
