@@ -20,7 +20,10 @@ Layout::
 * Reads land in the caller's buffer (`alloc`) with ``preadv``, never a fresh
   ``bytes``.  A file written by another process after the index was built is still
   found (a miss in the index falls back to the file system).
-* Blocking calls run in aiofiles' executor: one hop per write, two per read.
+* Blocking calls run in aiofiles' executor: one hop per write; one per read when the
+  index knows the object's size (allocate, then open + ``preadv`` + close), else two.
+* ``read_streamed`` (see `kvstore.backends.stream`) reads an object's head, lets the
+  reader pick where the rest lands, and hands it each block as it arrives: one hop.
 * ENOSPC, EACCES and files vanishing underneath are counted errors / misses.
 
 File names are the object name percent-escaped (``/`` → ``%2F``, ``.`` → ``%2E``), so
@@ -55,6 +58,7 @@ from kvstore.backends.base import (
     parts_len,
     redact_url,
 )
+from kvstore.backends.stream import STREAM_BLOCK, StreamSink
 from kvstore.config import parse_bool, parse_size, url_options
 from kvstore.eviction import Evictor, LRUEvictor
 from kvstore.keys import InvalidKeyError, check_object_name
@@ -127,16 +131,55 @@ def _open_read(path: Path) -> tuple[int, int]:
         raise
 
 
+def _pread_into(fd: int, buf: memoryview, offset: int = 0) -> int:
+    got = 0
+    while got < len(buf):
+        n = os.preadv(fd, [buf[got:]], offset + got)
+        if not n:
+            break
+        got += n
+    return got
+
+
 @aiofiles.os.wrap
 def _read_all(fd: int, buf: memoryview) -> int:
     try:
-        got = 0
-        while got < len(buf):
-            n = os.preadv(fd, [buf[got:]], got)
-            if not n:
-                break
-            got += n
-        return got
+        return _pread_into(fd, buf)
+    finally:
+        os.close(fd)
+
+
+@aiofiles.os.wrap
+def _read_sized(path: Path, buf: memoryview) -> int:
+    """Open, read the whole object into `buf` and close: -1 if its size is not len(buf)."""
+    fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    try:
+        if os.fstat(fd).st_size != len(buf):
+            return -1  # rewritten since it was indexed: the caller asks again
+        return _pread_into(fd, buf)
+    finally:
+        os.close(fd)
+
+
+@aiofiles.os.wrap
+def _read_streamed(path: Path, sink: StreamSink) -> tuple[int, int, object]:
+    """(object size, bytes read, the sink's verdict); see `kvstore.backends.stream`."""
+    fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        head = memoryview(bytearray(min(size, sink.head)))
+        got = _pread_into(fd, head)
+        where = sink.body(head[:got], size)
+        if where is not None:
+            dst, offset = where
+            for start in range(0, len(dst), STREAM_BLOCK):
+                block = dst[start : start + STREAM_BLOCK]
+                n = _pread_into(fd, block, offset + start)
+                got += n
+                sink.feed(block[:n])
+                if n < len(block):
+                    break
+        return size, got, sink.finish()
     finally:
         os.close(fd)
 
@@ -336,13 +379,19 @@ class DiskBackend(Backend):
         self._reading[name] = self._reading.get(name, 0) + 1
         try:
             async with self._sem:
-                fd, size = await _open_read(self.path_of(name))
-                try:
+                size = self._sizes.get(name)
+                got = -1
+                if size is not None:  # known size: allocate first, then one hop
                     buf = alloc(size)[:size]
-                except BaseException:
-                    os.close(fd)
-                    raise
-                got = await _read_all(fd, buf)  # closes fd
+                    got = await _read_sized(self.path_of(name), buf)
+                if got < 0:
+                    fd, size = await _open_read(self.path_of(name))
+                    try:
+                        buf = alloc(size)[:size]
+                    except BaseException:
+                        os.close(fd)
+                        raise
+                    got = await _read_all(fd, buf)  # closes fd
         except FileNotFoundError:
             self._index_drop(name)
             self.counters.misses += 1
@@ -364,6 +413,44 @@ class DiskBackend(Backend):
         self.counters.hits += 1
         self.counters.get_bytes += got
         return buf[:got]
+
+    async def read_streamed(self, names: Sequence[str], open_sink) -> list[object | None]:
+        """Each object streamed into the sink ``open_sink(name)`` gives (one hop per object);
+        the sinks' verdicts, None for a miss or an I/O error."""
+        return list(await asyncio.gather(*(self._stream_one(n, open_sink(n)) for n in names)))
+
+    async def _stream_one(self, name: str, sink: StreamSink) -> object | None:
+        self.counters.gets += 1
+        try:
+            check_object_name(name)
+        except InvalidKeyError:
+            self.counters.misses += 1
+            return None
+        self._reading[name] = self._reading.get(name, 0) + 1
+        try:
+            async with self._sem:
+                size, got, verdict = await _read_streamed(self.path_of(name), sink)
+        except FileNotFoundError:
+            self._index_drop(name)
+            self.counters.misses += 1
+            return None
+        except OSError as exc:
+            log.warning("kvstore disk: read of %s failed: %s", name, exc)
+            self.counters.get_errors += 1
+            self.counters.misses += 1
+            return None
+        finally:
+            left = self._reading[name] - 1
+            if left:
+                self._reading[name] = left
+            else:
+                del self._reading[name]
+        if name not in self._sizes:
+            self._index_add(name, size)  # written by another process since our scan
+        self.evictor.touch(name)
+        self.counters.hits += 1
+        self.counters.get_bytes += got
+        return verdict
 
     async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
         return list(await asyncio.gather(*(self._head(n, nbytes) for n in names)))

@@ -7,6 +7,7 @@ import uuid
 
 import torch
 
+from kvstore.buffers import BufferPool
 from kvstore.store_config import StoreConfig
 from kvstore.tiered import TieredStore
 
@@ -37,7 +38,7 @@ async def test_callable_out_allocates_the_stored_shape(tmp_path):
     await st.close()
 
 
-async def test_disk_reads_land_in_pooled_buffers_decoded_into_out(tmp_path):
+async def test_disk_reads_land_in_out_and_are_promoted(tmp_path):
     st = _store(tmp_path)
     names = [f"ns/m/f-1-0/{i}" for i in range(3)]
     ts = [torch.full((256, 1024), float(i)) for i in range(3)]
@@ -47,7 +48,7 @@ async def test_disk_reads_land_in_pooled_buffers_decoded_into_out(tmp_path):
     outs = [torch.empty(256, 1024) for _ in names]
     got = await st.get_many(names, out=outs)
     assert all(g is o and torch.equal(o, t) for g, o, t in zip(got, outs, ts))
-    assert st.pool.pooled_bytes > 0, "the read buffers went back to the pool"
+    assert st.pool.pooled_bytes == 0, "streamed into `out`: no read buffer in between"
     await st.drain()
     assert await st.tiers[0].contains_many(names) == [True] * 3, "disk hits are promoted"
     await st.close()
@@ -100,3 +101,14 @@ async def test_config_builds_a_tiered_store_with_its_policy(tmp_path):
     assert st.specs[0].capacity == 1 << 20
     await st.close()
     assert StoreConfig.from_mapping({"kvstore.tiers": ["mem://x"]}).policy == "chain"
+
+
+def test_buffer_pool_reuses_and_stays_bounded():
+    pool = BufferPool(max_bytes=3 << 20)
+    a = pool.take(1 << 20)
+    pool.give(a)
+    assert pool.take(1 << 20) is a, "a returned buffer is handed out again"
+    bufs = [pool.take(2 << 20) for _ in range(2)]
+    for b in bufs:
+        pool.give(b)
+    assert pool.pooled_bytes == 2 << 20, "the second one did not fit under max_bytes"

@@ -1,0 +1,90 @@
+"""A frame checked while it streams in: header first, then the payload block by block.
+
+Owns: `FrameSink`, the `kvstore.backends.stream.StreamSink` that reads a stored frame's
+prefix and header from its first bytes, asks its owner where the payload goes (e.g.
+straight into the caller's tensor), hashes each payload block while it is still in
+cache, and at the end says whether the frame was whole and intact.  Must not touch:
+tensors and allocation (the owner's `place` callback), I/O (the backend's).
+
+The bytes land in the owner's buffer before they are verified: the owner must not hand
+them on unless `finish()` left `error` unset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import xxhash
+
+from kvstore.frame import (
+    MAX_HEADER_LEN,
+    PREFIX,
+    PREFIX_LEN,
+    ChecksumMismatchError,
+    FrameError,
+    FrameHeader,
+    LengthMismatchError,
+    read_header,
+)
+
+HEAD = 4096  # header bytes read up front; a longer header falls back to a whole read
+
+
+class FrameSink:
+    """One stored frame arriving from a backend; see the module docstring.
+
+    After `finish()`: ``error`` (a `FrameError`: the object is defective), or
+    ``too_long`` (header beyond `HEAD`: read it whole instead), or ``header`` with
+    ``placed`` telling whether `place(header)` took the payload (False: it declined).
+    """
+
+    head = HEAD
+
+    def __init__(self, name: str, place: Callable[[FrameHeader], memoryview | None]) -> None:
+        self.name = name
+        self.place = place
+        self.header: FrameHeader | None = None
+        self.error: FrameError | None = None
+        self.too_long = False
+        self.placed = False
+        self._hash = xxhash.xxh3_64()
+        self._got = 0
+
+    def body(self, head: memoryview, size: int) -> tuple[memoryview, int] | None:
+        if len(head) >= PREFIX_LEN:
+            hlen = PREFIX.unpack_from(head, 0)[4]
+            if len(head) < PREFIX_LEN + hlen <= min(size, PREFIX_LEN + MAX_HEADER_LEN):
+                self.too_long = True
+                return None
+        try:
+            header, off = read_header(head)
+            if header.key and header.key != self.name:
+                raise FrameError(f"frame belongs to {header.key!r}")
+            if size - off != header.plen:
+                raise LengthMismatchError(
+                    f"payload is {size - off} bytes, header says {header.plen} (truncated or torn)"
+                )
+        except FrameError as exc:
+            self.error = exc
+            return None
+        self.header = header
+        dst = self.place(header)
+        if dst is None:
+            return None
+        self.placed = True
+        return dst, off
+
+    def feed(self, block: memoryview) -> None:
+        self._hash.update(block)
+        self._got += len(block)
+
+    def finish(self) -> FrameSink:
+        if self.placed and self.header is not None:
+            if self._got != self.header.plen:
+                self.error = LengthMismatchError(f"read {self._got} of {self.header.plen} payload bytes")
+            elif self._hash.intdigest() != self.header.csum:
+                self.error = ChecksumMismatchError("payload fails its checksum")
+        return self
+
+
+__all__ = ["HEAD", "FrameSink"]

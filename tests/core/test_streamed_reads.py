@@ -1,0 +1,89 @@
+"""Disk reads that land straight in the caller's tensor: verified before they are handed
+back, sized from the index in one hop, and falling back to whole reads when they must."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from kvstore.backends.disk import DiskBackend
+from kvstore.frame_sink import FrameSink
+from kvstore.tiered import TieredStore
+
+NAME = "ns/m/f-1-0/1"
+
+
+def _store(tmp_path: Path) -> TieredStore:
+    return TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+
+
+async def test_streamed_read_lands_in_out_bytes_equal(tmp_path: Path) -> None:
+    st = _store(tmp_path)
+    t = torch.randn(64, 1024).to(torch.bfloat16)  # 128 KiB: less than one stream block
+    big = torch.randn(1024, 1024)  # 4 MiB: many blocks
+    assert await st.put_many([(NAME, t), ("ns/m/f-1-0/2", big)]) == [True, True]
+    outs = [torch.zeros_like(t), torch.zeros_like(big)]
+    got = await st.get_many([NAME, "ns/m/f-1-0/2"], out=outs)
+    assert got[0] is outs[0] and torch.equal(outs[0], t)
+    assert got[1] is outs[1] and torch.equal(outs[1], big)
+    assert st.pool.pooled_bytes == 0, "streamed: no intermediate buffer was used"
+    await st.close()
+
+
+async def test_a_flipped_payload_bit_is_a_quarantined_miss(tmp_path: Path) -> None:
+    st = _store(tmp_path)
+    t = torch.arange(1 << 18, dtype=torch.float32)
+    await st.put_many([(NAME, t)])
+    backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
+    path = backend.path_of(NAME)
+    data = bytearray(path.read_bytes())
+    data[-1000] ^= 0x40
+    path.write_bytes(bytes(data))
+    handed: list[torch.Tensor] = []
+
+    def alloc(header):
+        handed.append(torch.empty(header.shape, dtype=torch.float32))
+        return handed[-1]
+
+    assert await st.get_many([NAME], out=[alloc]) == [None], "unverified bytes are never handed back"
+    assert st.tiers[0].counters.corrupt == 1
+    assert any((tmp_path / "d" / "quarantine").iterdir())
+    assert await st.contains_many([NAME]) == [False]
+    await st.close()
+
+
+async def test_long_headers_are_read_whole(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path / "d", fsync=False)
+    from kvstore.frame import encode_frame
+
+    payload = os.urandom(10_000)
+    parts = encode_frame([payload], codec="raw", shape=(10_000,), key=NAME, meta={"pad": "x" * 8000})
+    assert await be.put_many([(NAME, parts)]) == [True]
+    dst = bytearray(10_000)
+    sink = FrameSink(NAME, lambda header: memoryview(dst))
+    (verdict,) = await be.read_streamed([NAME], lambda _name: sink)
+    assert verdict is sink and sink.too_long and not sink.placed, "the caller reads it whole instead"
+
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}"], discover=True)
+    out = torch.empty(10_000, dtype=torch.uint8)
+    (got,) = await st.get_many([NAME], out=[out])
+    assert got is out and bytes(out.numpy()) == payload
+    await st.close()
+
+
+async def test_known_size_reads_in_one_hop_and_a_rewritten_file_still_reads(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path / "d", fsync=False)
+    await be.put_many([(NAME, b"a" * 100)])
+    other = DiskBackend(tmp_path / "d", fsync=False)  # another process rewrites it, longer
+    await other.put_many([(NAME, b"b" * 300)])
+    sizes: list[int] = []
+
+    def alloc(n: int) -> memoryview:
+        sizes.append(n)
+        return memoryview(bytearray(n))
+
+    (got,) = await be.get_many([NAME], alloc)
+    assert bytes(got) == b"b" * 300
+    assert sizes == [100, 300], "sized from the index first, then from the file"
