@@ -41,8 +41,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import quote, unquote, urlsplit
 
 import aiofiles.os
@@ -63,6 +65,7 @@ from kvstore.config import parse_bool, parse_size, url_options
 from kvstore.eviction import Evictor, LRUEvictor
 from kvstore.keys import InvalidKeyError, check_object_name
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 MAX_FILENAME = 250
@@ -370,56 +373,40 @@ class DiskBackend(Backend):
         return list(await asyncio.gather(*(self._get_one(n, alloc or bytearray_alloc) for n in names)))
 
     async def _get_one(self, name: str, alloc: Alloc) -> memoryview | None:
-        self.counters.gets += 1
-        try:
-            check_object_name(name)
-        except InvalidKeyError:
-            self.counters.misses += 1
-            return None
-        self._reading[name] = self._reading.get(name, 0) + 1
-        try:
-            async with self._sem:
-                size = self._sizes.get(name)
-                got = -1
-                if size is not None:  # known size: allocate first, then one hop
-                    buf = alloc(size)[:size]
-                    got = await _read_sized(self.path_of(name), buf)
-                if got < 0:
-                    fd, size = await _open_read(self.path_of(name))
-                    try:
-                        buf = alloc(size)[:size]
-                    except BaseException:
-                        os.close(fd)
-                        raise
-                    got = await _read_all(fd, buf)  # closes fd
-        except FileNotFoundError:
-            self._index_drop(name)
-            self.counters.misses += 1
-            return None
-        except OSError as exc:
-            log.warning("kvstore disk: read of %s failed: %s", name, exc)
-            self.counters.get_errors += 1
-            self.counters.misses += 1
-            return None
-        finally:
-            left = self._reading[name] - 1
-            if left:
-                self._reading[name] = left
-            else:
-                del self._reading[name]
-        if name not in self._sizes:
-            self._index_add(name, size)  # written by another process since our scan
-        self.evictor.touch(name)
-        self.counters.hits += 1
-        self.counters.get_bytes += got
-        return buf[:got]
+        async def read() -> tuple[int, int, memoryview]:
+            size = self._sizes.get(name)
+            if size is not None:  # known size: allocate first, then one hop
+                buf = alloc(size)[:size]
+                got = await _read_sized(self.path_of(name), buf)
+                if got >= 0:
+                    return size, got, buf[:got]
+            fd, size = await _open_read(self.path_of(name))
+            try:
+                buf = alloc(size)[:size]
+            except BaseException:
+                os.close(fd)
+                raise
+            got = await _read_all(fd, buf)  # closes fd
+            return size, got, buf[:got]
+
+        return await self._tracked_read(name, read)
 
     async def read_streamed(self, names: Sequence[str], open_sink) -> list[object | None]:
         """Each object streamed into the sink ``open_sink(name)`` gives (one hop per object);
         the sinks' verdicts, None for a miss or an I/O error."""
-        return list(await asyncio.gather(*(self._stream_one(n, open_sink(n)) for n in names)))
+        sinks = [open_sink(n) for n in names]
+        return list(
+            await asyncio.gather(
+                *(
+                    self._tracked_read(n, partial(_read_streamed, self.path_of(n), s))
+                    for n, s in zip(names, sinks)
+                )
+            )
+        )
 
-    async def _stream_one(self, name: str, sink: StreamSink) -> object | None:
+    async def _tracked_read(self, name: str, read: Callable[[], Awaitable[tuple[int, int, T]]]) -> T | None:
+        """Run `read` -> (object size, bytes read, result) for one object with the
+        bookkeeping every read shares: name check, reader count, index, LRU, counters."""
         self.counters.gets += 1
         try:
             check_object_name(name)
@@ -429,7 +416,7 @@ class DiskBackend(Backend):
         self._reading[name] = self._reading.get(name, 0) + 1
         try:
             async with self._sem:
-                size, got, verdict = await _read_streamed(self.path_of(name), sink)
+                size, got, result = await read()
         except FileNotFoundError:
             self._index_drop(name)
             self.counters.misses += 1
@@ -450,7 +437,7 @@ class DiskBackend(Backend):
         self.evictor.touch(name)
         self.counters.hits += 1
         self.counters.get_bytes += got
-        return verdict
+        return result
 
     async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
         return list(await asyncio.gather(*(self._head(n, nbytes) for n in names)))
