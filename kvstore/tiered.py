@@ -29,11 +29,14 @@ API (all batched, all async except pin/unpin/stats):
 * ``get_many(names, out=None) -> [tensor | None]``  Read from the highest tier holding
   each name; a hit in a lower tier is promoted in the background.  Defective frames are
   quarantined and read as misses.  ``out[i]`` may be a tensor to decode into, or a
-  callable ``(FrameHeader) -> tensor | None`` called once the frame is read and
-  verified, so the caller allocates exactly the stored shape (None: skip it, a miss
+  callable ``(FrameHeader) -> tensor | None`` called once the frame's header is read and
+  checked, so the caller allocates exactly the stored shape (None: skip it, a miss
   that leaves the object stored; so is a tensor that does not fit).  With every
-  ``out[i]`` given, reads from non-memory tiers land in pooled, reused buffers and are
-  decoded straight into the caller's tensors: one copy.
+  ``out[i]`` given, a backend that streams (disk) reads a raw payload straight into the
+  caller's tensor, hashing each block as it lands, and hands it back only if the
+  checksum matches (the callable then runs on a backend worker thread: keep it
+  thread-safe); other non-memory tiers read into pooled, reused buffers and decode into
+  the caller's tensors.  Either way the payload is copied once.
 * ``contains_many(names) -> [bool]``, ``delete_many(names) -> [bool existed]``.
 * ``prefix_lookup(names) -> int``  How many leading names are held in some tier (the
   question LMCache asks before retrieving); changes no policy state.
@@ -469,7 +472,7 @@ class TieredStore:
         non-memory tiers read into pooled buffers that go back to the pool once decoded
         (nothing views them then)."""
         full = outs is not None and all(o is not None for o in outs)
-        if full and hasattr(self.tiers[j].backend, "read_streamed"):
+        if full:
             res, rest = await self._read_streamed(j, names, outs)  # type: ignore[arg-type]
             if rest:
                 again = await self._read_frames(j, [names[k] for k in rest], [outs[k] for k in rest])  # type: ignore[index]
@@ -481,10 +484,12 @@ class TieredStore:
     async def _read_streamed(
         self, j: int, names: Sequence[str], outs: Sequence[Out]
     ) -> tuple[list[tuple[torch.Tensor | None, int, int]], list[int]]:
-        """Streamed reads into the callers' tensors; also the indices to read whole instead
-        (not raw, or a header too long to stream).  `place` runs on the backend's threads."""
+        """Raw payloads straight into the callers' tensors, hashed block by block as they
+        land; also the indices to read whole instead (not raw, or a header too long to
+        stream).  A streaming backend (disk) runs `place` on its worker threads."""
         import torch
 
+        from kvstore.backends.stream import stream_from_buffer
         from kvstore.codec.base import dtype_from_name
         from kvstore.frame_sink import FrameSink
 
@@ -525,8 +530,24 @@ class TieredStore:
             return place
 
         sinks = [FrameSink(name, placer(k)) for k, name in enumerate(names)]
-        order = iter(sinks)  # one sink per name, taken in order (a name may repeat)
-        verdicts = await tier.backend.read_streamed(names, lambda _name: next(order))  # type: ignore[attr-defined]
+        if hasattr(tier.backend, "read_streamed"):
+            order = iter(sinks)  # one sink per name, taken in order (a name may repeat)
+            verdicts = await tier.backend.read_streamed(names, lambda _name: next(order))
+        else:  # whole objects (memory views, or pooled buffers), then streamed into the targets
+            taken: list[bytearray] = []
+
+            def alloc(size: int) -> memoryview:
+                buf = self.pool.take(size)
+                taken.append(buf)
+                return memoryview(buf)
+
+            try:
+                raws = await tier.backend.get_many(names, alloc if self._pooled[j] else None)
+                verdicts = [None if r is None else stream_from_buffer(r, sk) for r, sk in zip(raws, sinks)]
+                del raws
+            finally:
+                for buf in taken:
+                    self.pool.give(buf)
         res: list[tuple[torch.Tensor | None, int, int]] = []
         rest: list[int] = []
         for k, (name, sink) in enumerate(zip(names, sinks)):

@@ -31,4 +31,23 @@ class StreamSink(Protocol):
     def finish(self) -> Any: ...
 
 
-__all__ = ["STREAM_BLOCK", "StreamSink"]
+def stream_from_buffer(raw: memoryview, sink: StreamSink) -> object:
+    """Drive `sink` over an object already in memory (a memory tier's view, or a buffer a
+    network read filled): the same steps a streaming backend takes, copying block by block
+    so each block is still in cache when the sink sees it."""
+    raw = raw.cast("B") if raw.format != "B" or raw.ndim != 1 else raw
+    size = len(raw)
+    where = sink.body(raw[: min(size, sink.head)], size)
+    if where is not None:
+        dst, offset = where
+        for start in range(0, len(dst), STREAM_BLOCK):
+            block = dst[start : start + STREAM_BLOCK]
+            src = raw[offset + start : offset + start + len(block)]
+            block[: len(src)] = src
+            sink.feed(block[: len(src)])
+            if len(src) < len(block):
+                break
+    return sink.finish()
+
+
+__all__ = ["STREAM_BLOCK", "StreamSink", "stream_from_buffer"]
