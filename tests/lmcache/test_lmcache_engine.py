@@ -106,3 +106,24 @@ def test_timeout_must_be_below_lmcache_deadline(make_engine, caplog):
     eng = make_engine("remote", False, extra={"kvstore.timeout_s": 9})
     assert eng.kvstore_backend() is None
     assert "below LMCache's blocking_timeout_secs" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("path", "asyncm"), [("plugin", False), ("remote", True)], ids=["plugin-sync", "remote-async"]
+)
+def test_stored_chunks_carry_their_prefix_chain(make_engine, path, asyncm):
+    """The chain policy sees each chunk's parent, also across a lookup and a later store."""
+    eng = make_engine(path, asyncm)
+    tokens = torch.arange(4 * CHUNK)
+    kv = random_kv(len(tokens), seed=5)
+    _store(eng, tokens[: 2 * CHUNK], [(k[:, :, : 2 * CHUNK], v[:, :, : 2 * CHUNK]) for k, v in kv])
+    assert eng.engine.lookup(tokens) == 2 * CHUNK  # the prompt grew: its first half is cached
+    new = torch.ones(len(tokens), dtype=torch.bool)
+    new[: 2 * CHUNK] = False  # as vLLM does: store only what was not loaded from the cache
+    eng.engine.store(tokens, mask=new, kvcaches=kv)
+    assert eng.wait_for_writes(10)
+    backend = eng.kvstore_backend()
+    names = [backend._name(k) for _, _, k in eng.engine.token_database.process_tokens(tokens)]
+    meta = backend.runtime.store.placement.meta
+    assert [meta[n].parent for n in names] == [None, *names[:3]]
+    assert [meta[n].depth for n in names] == [0, 1, 2, 3]
