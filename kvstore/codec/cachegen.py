@@ -58,7 +58,9 @@ _POOL: ThreadPoolExecutor | None = None
 def _pool() -> ThreadPoolExecutor:
     global _POOL
     if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="cachegen")
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="cachegen"
+        )
     return _POOL
 
 
@@ -149,7 +151,9 @@ class CacheGenCodec(Codec):
         elif preset in PRESETS:
             self.profile = None
         else:
-            raise ValueError(f"unknown cachegen preset {preset!r}; known: {', '.join(PRESETS)} (or pass profile=)")
+            raise ValueError(
+                f"unknown cachegen preset {preset!r}; known: {', '.join(PRESETS)} (or pass profile=)"
+            )
         self.preset = preset
         self.num_layers = num_layers if num_layers is None else int(num_layers)
         self.threads = max(1, int(threads))
@@ -184,7 +188,9 @@ class CacheGenCodec(Codec):
         if tensor.device.type != "cpu":
             raise ValueError("cachegen encodes CPU tensors; copy device tensors to host first")
         if tensor.dim() != 4 or tensor.shape[0] not in (1, 2) or min(tensor.shape) < 1:
-            raise ValueError(f"cachegen takes [2, L, T, H*D] (KV_2LTD) or [1, L, T, D] (MLA); got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"cachegen takes [2, L, T, H*D] (KV_2LTD) or [1, L, T, D] (MLA); got {tuple(tensor.shape)}"
+            )
         dname = dtype_name(tensor.dtype)
         if dname not in DTYPES:
             raise ValueError(f"cachegen takes float16, bfloat16 or float32; got {dname}")
@@ -305,7 +311,9 @@ class CacheGenCodec(Codec):
         np.cumsum(sec.stream_bytes, out=offs[1:])
         data = np.frombuffer(sec.streams, dtype=np.uint8)
         out32 = np.empty((S, lay.tokens, lay.channels), np.float32)
-        bad = self._run(rans_decode, S, data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, sc.numpy(), out32)
+        bad = self._run(
+            rans_decode, S, data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, sc.numpy(), out32
+        )
         if any(b >= 0 for b in bad):
             s = next(b for b in bad if b >= 0)
             raise CacheGenPayloadError(f"cachegen stream {s} is malformed (truncated or corrupt)")

@@ -138,7 +138,23 @@ def calibrate(
             raise ValueError(f"fixed bins are for {len(kb)} layers; the model has {L}")
         q = kvmodel.quality(lm, samples, lambda kv: quantize_planes(kv, kb, vb))
         log(f"fixed bins: measured KL {q.kl:.2e}, top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}")
-        return _finish(lm, samples, kb, vb, np.zeros((2, L)), 0.0, q, target_kl, prefix, cont, chunk, tables, name, t0, log)
+        return _finish(
+            lm,
+            samples,
+            kb,
+            vb,
+            np.zeros((2, L)),
+            0.0,
+            q,
+            target_kl,
+            prefix,
+            cont,
+            chunk,
+            tables,
+            name,
+            t0,
+            log,
+        )
 
     # 1. Sensitivity: KL with one plane alone at PROBE_BINS.
     sens = np.zeros((2, L))
@@ -167,7 +183,9 @@ def calibrate(
         flat, pred = allocate(sens.reshape(-1), bits.reshape(2 * L, -1), budget)
         kb, vb = [int(b) for b in flat[:L]], [int(b) for b in flat[L:]]
         q = kvmodel.quality(lm, samples, lambda kv, kb=kb, vb=vb: quantize_planes(kv, kb, vb))
-        log(f"budget {budget:.2e}: predicted KL {pred:.2e}, measured KL {q.kl:.2e}, top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}")
+        log(
+            f"budget {budget:.2e}: predicted KL {pred:.2e}, measured KL {q.kl:.2e}, top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}"
+        )
         if q.kl <= target_kl * 1.05:
             break
         budget *= max(0.3, target_kl / q.kl)
@@ -209,7 +227,9 @@ class EvalReport:
     tokens: int = 0
 
 
-def chunked_roundtrip(codec: CacheGenCodec, kv: torch.Tensor, chunk: int, dtype: torch.dtype) -> tuple[torch.Tensor, int, int]:
+def chunked_roundtrip(
+    codec: CacheGenCodec, kv: torch.Tensor, chunk: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, int, int]:
     """Encode/decode `kv` in token chunks; (reconstruction, raw bytes, stored bytes)."""
     parts, raw, stored = [], 0, 0
     for s in range(0, kv.shape[2], chunk):
@@ -249,5 +269,12 @@ def evaluate(
     if lm is not None:
         it = iter(range(len(samples)))
         q = kvmodel.quality(lm, samples, lambda kv: recon[next(it)])
-        rep.top1, rep.kl, rep.ppl_ref, rep.ppl, rep.dppl, rep.tokens = q.top1, q.kl, q.ppl_ref, q.ppl, q.dppl, q.tokens
+        rep.top1, rep.kl, rep.ppl_ref, rep.ppl, rep.dppl, rep.tokens = (
+            q.top1,
+            q.kl,
+            q.ppl_ref,
+            q.ppl,
+            q.dppl,
+            q.tokens,
+        )
     return rep

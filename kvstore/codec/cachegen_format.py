@@ -99,13 +99,15 @@ def parse(payload: memoryview) -> Sections:
     n = len(payload)
     if n < HEAD.size:
         raise CacheGenPayloadError(f"cachegen payload of {n} bytes is shorter than its header")
-    magic, ver, planes, dcode, scode, pbits, lanes, res, layers, tokens, chans, digest, idlen = HEAD.unpack_from(
-        payload, 0
+    magic, ver, planes, dcode, scode, pbits, lanes, res, layers, tokens, chans, digest, idlen = (
+        HEAD.unpack_from(payload, 0)
     )
     if magic != MAGIC:
         raise CacheGenPayloadError("payload is not cachegen (bad magic)")
     if ver != VERSION:
-        raise CacheGenPayloadError(f"cachegen payload version {ver}; this kvstore reads {VERSION} — upgrade kvstore")
+        raise CacheGenPayloadError(
+            f"cachegen payload version {ver}; this kvstore reads {VERSION} — upgrade kvstore"
+        )
     if planes not in (1, 2) or dcode >= len(DTYPES) or scode >= len(DTYPES) or res != 0:
         raise CacheGenPayloadError("cachegen header fields out of range")
     if not (0 < layers < MAX_DIM and 0 < tokens < MAX_DIM and 0 < chans < MAX_DIM):

@@ -149,7 +149,7 @@ def encoder_tables(freq, cum):
     rshift = np.where(one, 0, shift - 1).astype(np.int64)
     bias = np.where(one, cum.astype(np.int64) + PROB_SCALE - 1, cum.astype(np.int64))
     cmpl = (PROB_SCALE - freq.astype(np.int64)).astype(np.int64)
-    xmax = (freq.astype(np.int64) << (31 - PROB_BITS))
+    xmax = freq.astype(np.int64) << (31 - PROB_BITS)
     enc = np.stack([rcp, rshift, bias, cmpl, xmax], axis=-1)  # [NT, A, 5]
     return np.ascontiguousarray(enc)
 

@@ -93,7 +93,13 @@ class Profile:
             raise ValueError(f"profile version {m.get('version')}; this kvstore reads {PROFILE_VERSION}")
         books = m.get("codebooks")
         cset = CodebookSet.from_json(str(m["codebook_id"]), books) if books else None
-        p = cls(str(m["name"]), [int(b) for b in m["key_bins"]], [int(b) for b in m["value_bins"]], cset, dict(m.get("info") or {}))
+        p = cls(
+            str(m["name"]),
+            [int(b) for b in m["key_bins"]],
+            [int(b) for b in m["value_bins"]],
+            cset,
+            dict(m.get("info") or {}),
+        )
         if cset is not None:
             for b in (*p.key_bins, *p.value_bins):
                 cset.book(alphabet(b))
@@ -127,7 +133,10 @@ def register(profile: Profile) -> None:
 def _scan() -> None:
     global _SCANNED
     _SCANNED = True
-    dirs = [PROFILE_DIR, *(Path(p) for p in os.environ.get("KVSTORE_CODEC_PROFILES", "").split(os.pathsep) if p)]
+    dirs = [
+        PROFILE_DIR,
+        *(Path(p) for p in os.environ.get("KVSTORE_CODEC_PROFILES", "").split(os.pathsep) if p),
+    ]
     for d in dirs:
         files = sorted(d.glob("*.json")) if d.is_dir() else [d] if d.is_file() else []
         for f in files:

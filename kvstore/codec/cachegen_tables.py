@@ -13,7 +13,6 @@ payload records both and decoding resolves them (see `cachegen_profile`).
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -162,7 +161,7 @@ def fit_codebook(hists: np.ndarray, k: int = MAX_TABLES, iters: int = 20, seed: 
     import torch
 
     h = torch.as_tensor(np.asarray(hists, dtype=np.float32))
-    n, a = h.shape
+    a = h.shape[1]
     h = h[h.sum(1) > 0]
     k = max(1, min(k, MAX_TABLES, h.shape[0]))
     g = torch.Generator().manual_seed(seed)

@@ -55,7 +55,10 @@ def smollm2_location() -> tuple[Path, str]:
 def model_available() -> bool:
     try:
         smollm2_location()
-        return importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("gguf") is not None
+        return (
+            importlib.util.find_spec("transformers") is not None
+            and importlib.util.find_spec("gguf") is not None
+        )
     except FileNotFoundError:
         return False
 
@@ -166,7 +169,9 @@ class Quality:
         return self.ppl / self.ppl_ref - 1.0
 
 
-def compare(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> tuple[int, float, float, float, int]:
+def compare(
+    ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor
+) -> tuple[int, float, float, float, int]:
     """(top-1 matches, sum KL(ref||got), sum NLL ref, sum NLL got, n) over positions."""
     lr = torch.log_softmax(ref.double(), -1)
     lg = torch.log_softmax(got.double(), -1)
@@ -187,7 +192,9 @@ class Sample:
     ref_logits: torch.Tensor
 
 
-def make_samples(lm: LoadedModel, which: str, prefix: int, cont: int, limit: int | None = None) -> list[Sample]:
+def make_samples(
+    lm: LoadedModel, which: str, prefix: int, cont: int, limit: int | None = None
+) -> list[Sample]:
     out = []
     for text in texts(which)[:limit]:
         ids = token_ids(lm, text, prefix + cont)
@@ -197,7 +204,9 @@ def make_samples(lm: LoadedModel, which: str, prefix: int, cont: int, limit: int
     return out
 
 
-def quality(lm: LoadedModel, samples: list[Sample], roundtrip: Callable[[torch.Tensor], torch.Tensor]) -> Quality:
+def quality(
+    lm: LoadedModel, samples: list[Sample], roundtrip: Callable[[torch.Tensor], torch.Tensor]
+) -> Quality:
     """Decode every sample's continuation on `roundtrip(kv)` and compare with the exact KV."""
     agree = n = 0
     kl = nr = ng = 0.0

@@ -69,7 +69,10 @@ def test_zero_tokens_constant_channels_and_extreme_scales():
     assert (y[:, 2, 2] == 0).all() and (y[1, 0] == 0).all()
     assert (y[0, 1, :, 3] == 7.0).all()
     max_error_ok(x, y, c)
-    assert torch.equal(c.decode(c.encode(torch.zeros(2, 2, 4, 8, dtype=torch.float16))), torch.zeros(2, 2, 4, 8, dtype=torch.float16))
+    assert torch.equal(
+        c.decode(c.encode(torch.zeros(2, 2, 4, 8, dtype=torch.float16))),
+        torch.zeros(2, 2, 4, 8, dtype=torch.float16),
+    )
 
 
 def test_non_finite_input_and_bad_shapes_are_refused():
@@ -171,8 +174,12 @@ def test_bit_identical_to_lmcache_cachegen_at_its_preset(dtype):
     for s in cfg.vspecs:
         vb[s.start_layer : s.end_layer] = s.bins
     out = encode_function(kv.view(2, L, T, H, D).permute(1, 0, 2, 3, 4), cfg, kb, vb, T)
-    k, v = decode_function_gpu(out.cdf, out.data_chunks, L, T, torch.zeros((T, 2 * L * H * D), dtype=torch.uint8))
-    ref = torch.stack([do_dequantize(k, kb, out.max_tensors_key), do_dequantize(v, vb, out.max_tensors_value)]).to(dtype)
+    k, v = decode_function_gpu(
+        out.cdf, out.data_chunks, L, T, torch.zeros((T, 2 * L * H * D), dtype=torch.uint8)
+    )
+    ref = torch.stack(
+        [do_dequantize(k, kb, out.max_tensors_key), do_dequantize(v, vb, out.max_tensors_value)]
+    ).to(dtype)
 
     c = codecs.get("cachegen", preset="lmcache", num_layers=L)
     ours = c.decode(c.encode(kv))
