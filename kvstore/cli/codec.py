@@ -108,3 +108,7 @@ def evaluate(
         if rep.top1 is not None:
             line += f"  top1 {rep.top1:.3f}  KL {rep.kl:.4f}  PPL {rep.ppl_ref:.3f}->{rep.ppl:.3f} ({rep.dppl:+.2%})"
         click.echo(line)
+
+
+if __name__ == "__main__":
+    codec()

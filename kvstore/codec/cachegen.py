@@ -51,7 +51,6 @@ from kvstore.codec.cachegen_tables import CodebookSet, alphabet, bins_to_max, ch
 from kvstore.frame import FrameHeader
 
 PRESETS = ("lmcache",)
-_INF_BITS = {torch.float16: np.uint16(0x7C00), torch.bfloat16: np.uint16(0x7F80)}
 _POOL: ThreadPoolExecutor | None = None
 
 
@@ -114,6 +113,18 @@ class _Tables:
 
 
 _TABLES: dict[tuple[str, int], _Tables] = {}
+
+
+def _channel_scales(cset: CodebookSet, P: int, L: int, C: int) -> np.ndarray | None:
+    """The set's channel scales as [P*L, C] (K first), or None; refuses a shape mismatch."""
+    cs = cset.channel_scales
+    if cs is None:
+        return None
+    if cs.shape[1:] != (L, C):
+        raise ValueError(
+            f"codebook {cset.id!r} has channel scales for {cs.shape[1:]} (layers, channels), tensor has {(L, C)}"
+        )
+    return np.ascontiguousarray(cs[:P].reshape(P * L, C))
 
 
 def _tables(cset: CodebookSet) -> _Tables:
@@ -209,13 +220,21 @@ class CacheGenCodec(Codec):
         q = np.empty((S, T, C), np.uint8)
         scales = np.empty((S, T), np.float32)
         hist = np.empty((S, C, amax), np.int32)
-        if tensor.dtype == torch.float32:
-            xf = x.numpy()
-            bad = self._run(quantize_f32, S, xf, xf.view(np.int32), maxq, q, scales, hist)
-        else:
-            xb = x.view(torch.int16).numpy().view(np.uint16)
-            inf = _INF_BITS[tensor.dtype]
-            bad = self._run(quantize_u16, S, xb, _lut(tensor.dtype), inf, maxq, q, scales, hist)
+        chs = _channel_scales(cset, P, L, C)
+        inv = np.ones((S, C), np.float32) if chs is None else (np.float32(1.0) / chs)
+        # Scales are stored in the tensor's dtype: exact without channel scales (they are
+        # input magnitudes); with them, rounded up before quantizing, float32 on overflow.
+        sdtype = tensor.dtype
+        for _ in range(2):
+            mode = 0 if chs is None or sdtype == torch.float32 else (1 if sdtype == torch.float16 else 2)
+            if tensor.dtype == torch.float32:
+                bad = self._run(quantize_f32, S, x.numpy(), inv, mode, maxq, q, scales, hist)
+            else:
+                xb = x.view(torch.int16).numpy().view(np.uint16)
+                bad = self._run(quantize_u16, S, xb, _lut(tensor.dtype), inv, mode, maxq, q, scales, hist)
+            if -2 not in bad:
+                break
+            sdtype = torch.float32
         if any(b >= 0 for b in bad):
             s = next(b for b in bad if b >= 0)
             raise ValueError(f"cachegen cannot encode inf/NaN (plane {s // L}, layer {s % L})")
@@ -232,13 +251,13 @@ class CacheGenCodec(Codec):
         lengths = np.empty(S, np.int64)
         self._run(rans_encode, S, q, gtab, tabs.enc, scratch, lengths)
 
-        sdtype = tensor.dtype
         sc = torch.from_numpy(scales).to(sdtype)
         sc_bytes = sc.view(torch.uint8).numpy() if sdtype == torch.float32 else sc.view(torch.int16).numpy()
-        lay = Layout(P, L, T, C, dname, dname, PROB_BITS, LANES, cset.id, cset.digest)
+        sname = dtype_name(sdtype)
+        lay = Layout(P, L, T, C, dname, sname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None)
         head = pack_head(lay)
         nstream = int(lengths.sum())
-        size = len(head) + S + S * C + 4 * S + S * T * itemsize(dname) + nstream
+        size = len(head) + S + S * C + 4 * S + S * T * itemsize(sname) + nstream
         out = np.empty(size, np.uint8)
         o = 0
         for part in (
@@ -275,7 +294,7 @@ class CacheGenCodec(Codec):
             raise CacheGenPayloadError(
                 f"frame says {tuple(header.shape)} {header.dtype}; payload holds {shape} {lay.dtype}"
             )
-        if lay.prob_bits != PROB_BITS or lay.lanes != LANES or lay.scale_dtype != lay.dtype:
+        if lay.prob_bits != PROB_BITS or lay.lanes != LANES:
             raise CacheGenPayloadError("cachegen payload uses coder parameters this kvstore does not know")
         S = lay.streams
         flat_bins = sec.bins.reshape(S).astype(np.int64)
@@ -311,20 +330,40 @@ class CacheGenCodec(Codec):
         np.cumsum(sec.stream_bytes, out=offs[1:])
         data = np.frombuffer(sec.streams, dtype=np.uint8)
         out32 = np.empty((S, lay.tokens, lay.channels), np.float32)
-        bad = self._run(
-            rans_decode, S, data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, sc.numpy(), out32
-        )
-        if any(b >= 0 for b in bad):
-            s = next(b for b in bad if b >= 0)
-            raise CacheGenPayloadError(f"cachegen stream {s} is malformed (truncated or corrupt)")
-        t32 = torch.from_numpy(out32).view(shape)
         dtype = getattr(torch, lay.dtype)
         if out is not None:
             if tuple(out.shape) != shape or out.dtype != dtype:
                 raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; frame holds {shape} {dtype}")
-            out.copy_(t32)
-            return out
-        return t32.to(dtype)
+            result = out
+        else:
+            result = torch.empty(shape, dtype=dtype)
+        target = result.view(S, lay.tokens, lay.channels) if result.is_contiguous() else None
+        o32 = torch.from_numpy(out32)
+        scn = sc.numpy()
+        try:
+            chs = _channel_scales(cset, lay.planes, lay.layers, lay.channels) if lay.channel_scaled else None
+        except ValueError as exc:
+            raise CacheGenPayloadError(str(exc)) from exc
+        if lay.channel_scaled and chs is None:
+            raise CacheGenPayloadError(f"payload uses channel scales that codebook {cset.id!r} does not have")
+        if chs is None:
+            chs = np.ones((S, lay.channels), np.float32)
+
+        def work(s0: int, s1: int) -> int:
+            bad = rans_decode(
+                data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, scn, chs, out32, s0, s1
+            )
+            if bad < 0 and target is not None:
+                target[s0:s1].copy_(o32[s0:s1])  # float32 -> dtype, GIL released
+            return bad
+
+        bad = self._run(work, S)
+        if any(b >= 0 for b in bad):
+            s = next(b for b in bad if b >= 0)
+            raise CacheGenPayloadError(f"cachegen stream {s} is malformed (truncated or corrupt)")
+        if target is None:
+            result.copy_(o32.view(shape))
+        return result
 
 
 __all__ = ["CacheGenCodec", "CacheGenPayloadError", "Profile", "check_bins"]

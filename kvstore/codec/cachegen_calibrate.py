@@ -22,32 +22,50 @@ from kvstore.codec.cachegen import CacheGenCodec
 from kvstore.codec.cachegen_profile import Profile
 from kvstore.codec.cachegen_tables import CodebookSet, alphabet, bins_to_max, fit_codebook
 
-LADDER = (12, 16, 20, 24, 32, 40, 48, 64)
+LADDER = (8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
 PROBE_BINS = 16
 
 
-def fake_quant(x: torch.Tensor, bins: int) -> torch.Tensor:
-    """The codec's quantize/dequantize in torch (float32), for planes [.., T, C]."""
+def fake_quant(x: torch.Tensor, bins: int, cs: torch.Tensor | None = None) -> torch.Tensor:
+    """The codec's quantize/dequantize in torch (float32), for planes [.., T, C];
+    `cs` [C]: channel scales divided out before and multiplied back after."""
     mx = float(bins_to_max(bins))
     x = x.float()
+    if cs is not None:
+        x = x * (1.0 / cs)
     m = x.abs().amax(-1, keepdim=True)
     safe = torch.where(m > 0, m, torch.ones_like(m))
     q = torch.round(x * (mx / safe) + mx)
-    return torch.where(m > 0, (q - mx) / mx * m, torch.zeros_like(x))
+    y = torch.where(m > 0, (q - mx) / mx * m, torch.zeros_like(x))
+    return y if cs is None else y * cs
 
 
-def quantize_planes(kv: torch.Tensor, kbins: list[int], vbins: list[int]) -> torch.Tensor:
+def quantize_planes(
+    kv: torch.Tensor, kbins: list[int], vbins: list[int], cs: torch.Tensor | None = None
+) -> torch.Tensor:
     out = torch.empty_like(kv, dtype=torch.float32)
     for i in range(kv.shape[1]):
-        out[0, i] = fake_quant(kv[0, i], kbins[i])
-        out[1, i] = fake_quant(kv[1, i], vbins[i])
+        out[0, i] = fake_quant(kv[0, i], kbins[i], None if cs is None else cs[0, i])
+        out[1, i] = fake_quant(kv[1, i], vbins[i], None if cs is None else cs[1, i])
     return out
 
 
-def symbol_hists(kv: torch.Tensor, plane: int, layer: int, bins: int, chunk: int) -> np.ndarray:
+def channel_scales(samples: list[kvmodel.Sample]) -> torch.Tensor:
+    """Per (plane, layer, channel) RMS over all calibration tokens, floored, float32."""
+    kv = torch.cat([s.kv.float() for s in samples], 2)
+    rms = kv.pow(2).mean(2).sqrt()
+    floor = rms.amax(-1, keepdim=True) * 1e-3 + 1e-12
+    return torch.maximum(rms, floor).float()
+
+
+def symbol_hists(
+    kv: torch.Tensor, plane: int, layer: int, bins: int, chunk: int, cs: torch.Tensor | None = None
+) -> np.ndarray:
     """Per (channel, chunk) symbol histograms [N, A] of one plane at `bins`."""
     mx = bins_to_max(bins)
     x = kv[plane, layer].float()
+    if cs is not None:
+        x = x * (1.0 / cs[plane, layer])
     m = x.abs().amax(-1, keepdim=True)
     safe = torch.where(m > 0, m, torch.ones_like(m))
     q = torch.where(m > 0, torch.round(x * (mx / safe) + mx), torch.full_like(x, mx)).long()
@@ -122,6 +140,7 @@ def calibrate(
     tables: int = 128,
     name: str | None = None,
     fixed_bins: tuple[list[int], list[int]] | None = None,
+    equalize: bool = True,
     log: Callable[[str], None] = print,
 ) -> tuple[Profile, Calibration]:
     """Measure, allocate, fit codebooks; return the profile and what was measured.
@@ -131,6 +150,7 @@ def calibrate(
     samples = kvmodel.make_samples(lm, "calibration", prefix, cont, texts)
     L = lm.num_layers
     log(f"captured {len(samples)} calibration prompts ({prefix}+{cont} tokens) in {time.time() - t0:.0f}s")
+    cs = channel_scales(samples) if equalize else None
 
     if fixed_bins is not None:
         kb, vb = [int(b) for b in fixed_bins[0]], [int(b) for b in fixed_bins[1]]
@@ -163,7 +183,7 @@ def calibrate(
 
             def one(kv: torch.Tensor, p: int = p, i: int = i) -> torch.Tensor:
                 out = kv.clone()
-                out[p, i] = fake_quant(kv[p, i], PROBE_BINS)
+                out[p, i] = fake_quant(kv[p, i], PROBE_BINS, None if cs is None else cs[p, i])
                 return out
 
             sens[p, i] = kvmodel.quality(lm, samples, one).kl
@@ -174,7 +194,7 @@ def calibrate(
     for p in range(2):
         for i in range(L):
             for j, b in enumerate(LADDER):
-                hs = np.concatenate([symbol_hists(s.kv, p, i, b, chunk) for s in samples])
+                hs = np.concatenate([symbol_hists(s.kv, p, i, b, chunk, cs) for s in samples])
                 bits[p, i, j] = mean_entropy(hs)
 
     # 3. Allocate; verify on the samples and tighten the budget until it holds.
@@ -182,29 +202,31 @@ def calibrate(
     for _ in range(4):
         flat, pred = allocate(sens.reshape(-1), bits.reshape(2 * L, -1), budget)
         kb, vb = [int(b) for b in flat[:L]], [int(b) for b in flat[L:]]
-        q = kvmodel.quality(lm, samples, lambda kv, kb=kb, vb=vb: quantize_planes(kv, kb, vb))
+        q = kvmodel.quality(lm, samples, lambda kv, kb=kb, vb=vb: quantize_planes(kv, kb, vb, cs))
         log(
             f"budget {budget:.2e}: predicted KL {pred:.2e}, measured KL {q.kl:.2e}, top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}"
         )
         if q.kl <= target_kl * 1.05:
             break
         budget *= max(0.3, target_kl / q.kl)
-    return _finish(lm, samples, kb, vb, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log)
+    return _finish(
+        lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log
+    )
 
 
-def _finish(lm, samples, kb, vb, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log):
+def _finish(lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log):
     # 4. Codebooks for every alphabet in use, fitted on the chosen bins.
     hists: dict[int, list[np.ndarray]] = {}
     for p, bl in enumerate((kb, vb)):
         for i, b in enumerate(bl):
-            hists.setdefault(alphabet(b), []).extend(symbol_hists(s.kv, p, i, b, chunk) for s in samples)
+            hists.setdefault(alphabet(b), []).extend(symbol_hists(s.kv, p, i, b, chunk, cs) for s in samples)
     books = {a: fit_codebook(np.concatenate(h), k=tables) for a, h in sorted(hists.items())}
     pname = name or f"{lm.name.lower()}-kl{target_kl:g}"
-    cset = CodebookSet(pname, books)
+    cset = CodebookSet(pname, books, None if cs is None else cs.numpy())
     bps = 0.0
     for p, bl in enumerate((kb, vb)):
         for i, b in enumerate(bl):
-            bps += np.mean([mean_entropy(symbol_hists(s.kv, p, i, b, chunk)) for s in samples])
+            bps += np.mean([mean_entropy(symbol_hists(s.kv, p, i, b, chunk, cs)) for s in samples])
     bps /= 2 * len(kb)
     cal = Calibration(kb, vb, sens[0].tolist(), sens[1].tolist(), pred, q.kl, q.top1, q.dppl, float(bps))
     info = {"model": lm.name, "target_kl": target_kl, "prefix": prefix, "cont": cont, "texts": len(samples)}

@@ -9,7 +9,7 @@ Layout, little endian::
     4   H   format version (1)
     6   B   planes P (2: K and V, layout KV_2LTD; 1: MLA)
     7   B   value dtype code        8  B  scale dtype code
-    9   B   probability bits       10  B  rANS lanes           11  B  reserved (0)
+    9   B   probability bits       10  B  rANS lanes           11  B  flags (bit 0: channel scales)
     12  I   layers L   16  I  tokens T   20  I  channels C
     24  Q   codebook digest        32  H  codebook id length n, then n bytes of UTF-8
     then, in order:  bins           u8  [P, L]
@@ -51,6 +51,7 @@ class Layout:
     lanes: int
     codebook_id: str
     codebook_digest: int
+    channel_scaled: bool = False
 
     @property
     def streams(self) -> int:
@@ -83,7 +84,7 @@ def pack_head(lay: Layout) -> bytes:
             DTYPES.index(lay.scale_dtype),
             lay.prob_bits,
             lay.lanes,
-            0,
+            1 if lay.channel_scaled else 0,
             lay.layers,
             lay.tokens,
             lay.channels,
@@ -99,7 +100,7 @@ def parse(payload: memoryview) -> Sections:
     n = len(payload)
     if n < HEAD.size:
         raise CacheGenPayloadError(f"cachegen payload of {n} bytes is shorter than its header")
-    magic, ver, planes, dcode, scode, pbits, lanes, res, layers, tokens, chans, digest, idlen = (
+    magic, ver, planes, dcode, scode, pbits, lanes, flags, layers, tokens, chans, digest, idlen = (
         HEAD.unpack_from(payload, 0)
     )
     if magic != MAGIC:
@@ -108,7 +109,7 @@ def parse(payload: memoryview) -> Sections:
         raise CacheGenPayloadError(
             f"cachegen payload version {ver}; this kvstore reads {VERSION} — upgrade kvstore"
         )
-    if planes not in (1, 2) or dcode >= len(DTYPES) or scode >= len(DTYPES) or res != 0:
+    if planes not in (1, 2) or dcode >= len(DTYPES) or scode >= len(DTYPES) or flags > 1:
         raise CacheGenPayloadError("cachegen header fields out of range")
     if not (0 < layers < MAX_DIM and 0 < tokens < MAX_DIM and 0 < chans < MAX_DIM):
         raise CacheGenPayloadError(f"cachegen dimensions {layers}x{tokens}x{chans} out of range")
@@ -120,7 +121,19 @@ def parse(payload: memoryview) -> Sections:
     except UnicodeDecodeError as exc:
         raise CacheGenPayloadError("cachegen codebook id is not UTF-8") from exc
     off += idlen
-    lay = Layout(planes, layers, tokens, chans, DTYPES[dcode], DTYPES[scode], pbits, lanes, cid, digest)
+    lay = Layout(
+        planes,
+        layers,
+        tokens,
+        chans,
+        DTYPES[dcode],
+        DTYPES[scode],
+        pbits,
+        lanes,
+        cid,
+        digest,
+        bool(flags & 1),
+    )
     s = lay.streams
     need = s + s * chans + 4 * s + s * tokens * itemsize(lay.scale_dtype)
     if off + need > n:

@@ -53,50 +53,96 @@ def _quant_row(row, m, mx, qrow, hist_s):
         hist_s[c, qrow[c]] += 1
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _absmax(row, rowbits):
+    """(max |row|, ok): magnitudes of finite floats order like their bits (vectorizable)."""
+    mb = np.int32(0)
+    for c in range(row.shape[0]):
+        mb = max(mb, rowbits[c] & 0x7FFFFFFF)
+    if mb >= 0x7F800000:
+        return np.float32(0.0), False
+    for c in range(row.shape[0]):
+        if (rowbits[c] & 0x7FFFFFFF) == mb:
+            return abs(row[c]), True
+    return np.float32(0.0), True
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _round_scale(m, mode, cell):
+    """Round a float32 scale up to what the payload stores: mode 0 keeps float32 (or an
+    already exact value), 1 float16, 2 bfloat16.  Returns inf if float16 overflows."""
+    if mode == 0 or m == np.float32(0.0):
+        return m
+    if mode == 1:
+        if m > np.float32(65504.0):
+            return np.float32(np.inf)
+        if m < np.float32(6.103515625e-05):  # float16 subnormal range: steps of 2**-24
+            step = np.float32(5.960464477539063e-08)
+            return np.float32(np.ceil(m / step)) * step
+        low = 0x1FFF
+    else:
+        low = 0xFFFF
+    cell[0] = m
+    bits = cell.view(np.int32)
+    if bits[0] & low:
+        bits[0] = (bits[0] | low) + 1
+    r = cell[0]
+    if mode == 1 and r > np.float32(65504.0):
+        return np.float32(np.inf)
+    return r
+
+
 @njit(nogil=True, cache=True)
-def quantize_f32(x, xbits, maxq, q, scales, hist, s0, s1):
-    """x float32 [S,T,C] (xbits: the same memory as int32) -> q uint8 [S,T,C], scales
-    float32 [S,T], hist int32 [S,C,A].  Returns -1, or a stream holding inf/NaN."""
+def quantize_f32(x, inv, mode, maxq, q, scales, hist, s0, s1):
+    """x float32 [S,T,C] -> q uint8 [S,T,C], scales float32 [S,T], hist int32 [S,C,A].
+
+    inv float32 [S,C] multiplies each channel first (all ones: LMCache's arithmetic,
+    exactly); `mode` rounds scales up to their stored type (see `_round_scale`).
+    Returns -1, the first stream holding inf/NaN, or -2 if a float16 scale overflows."""
     _, T, C = x.shape
+    row = np.empty(C, np.float32)
+    rowbits = row.view(np.int32)
+    cell = np.empty(1, np.float32)
     for s in range(s0, s1):
         mx = maxq[s]
         hist[s, :, :] = 0
+        iv = inv[s]
         for t in range(T):
-            br = xbits[s, t]
-            mb = np.int32(0)
+            xr = x[s, t]
             for c in range(C):
-                mb = max(mb, br[c] & 0x7FFFFFFF)
-            if mb >= 0x7F800000:
+                row[c] = xr[c] * iv[c]
+            m, ok = _absmax(row, rowbits)
+            if not ok:
                 return s
-            m = abs(x[s, t, 0])
-            for c in range(C):
-                if (br[c] & 0x7FFFFFFF) == mb:
-                    m = abs(x[s, t, c])
-                    break
+            m = _round_scale(m, mode, cell)
+            if m == np.inf:
+                return -2
             scales[s, t] = m
-            _quant_row(x[s, t], m, mx, q[s, t], hist[s])
+            _quant_row(row, m, mx, q[s, t], hist[s])
     return -1
 
 
 @njit(nogil=True, cache=True)
-def quantize_u16(x, lut, infbits, maxq, q, scales, hist, s0, s1):
-    """As `quantize_f32` for 16-bit floats given as raw bits, a bits->float32 table and the
-    bit pattern of +inf (magnitudes order like their bits)."""
+def quantize_u16(x, lut, inv, mode, maxq, q, scales, hist, s0, s1):
+    """As `quantize_f32` for 16-bit floats given as raw bits and a bits->float32 table."""
     _, T, C = x.shape
     row = np.empty(C, np.float32)
+    rowbits = row.view(np.int32)
+    cell = np.empty(1, np.float32)
     for s in range(s0, s1):
         mx = maxq[s]
         hist[s, :, :] = 0
+        iv = inv[s]
         for t in range(T):
             xr = x[s, t]
-            mb = np.uint16(0)
             for c in range(C):
-                mb = max(mb, xr[c] & np.uint16(0x7FFF))
-            if mb >= infbits:
+                row[c] = lut[xr[c]] * iv[c]
+            m, ok = _absmax(row, rowbits)
+            if not ok:
                 return s
-            for c in range(C):
-                row[c] = lut[xr[c]]
-            m = lut[mb]
+            m = _round_scale(m, mode, cell)
+            if m == np.inf:
+                return -2
             scales[s, t] = m
             _quant_row(row, m, mx, q[s, t], hist[s])
     return -1
@@ -192,12 +238,12 @@ def rans_encode(q, tab, enc, scratch, lengths, s0, s1):
 
 
 @njit(nogil=True, cache=True)
-def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, out, s0, s1):
+def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, s0, s1):
     """Decode and dequantize streams [s0, s1) into out float32 [S,T,C].
 
     data uint8 (all streams), offs int64 [S+1] byte offsets, tab int32 [S,C], lut uint8
     [NT, PROB_SCALE] slot->symbol, vals float32 dequantization table with stream s's
-    entries at vbase[s], scales float32 [S,T].  Every read is bounds-checked; returns -1
+    entries at vbase[s], scales float32 [S,T], chs float32 [S,C] channel scales.  Every read is bounds-checked; returns -1
     on success, else the index of the first stream that is malformed.
     """
     _, T, C = out.shape
@@ -223,6 +269,7 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, out, s0, s
             fr = freq[k]
             cu = cum[k]
             lk = lut[k]
+            cs = chs[s, c]
             for t in range(T):
                 lane = i & (LANES - 1)
                 x = xs[lane]
@@ -235,7 +282,7 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, out, s0, s
                     x = (x << 16) | np.int64(data[p]) | (np.int64(data[p + 1]) << 8)
                     p += 2
                 xs[lane] = x
-                out[s, t, c] = vals[vb + sym] * scales[s, t]
+                out[s, t, c] = vals[vb + sym] * scales[s, t] * cs
                 i += 1
         if p != end:
             return s

@@ -79,6 +79,7 @@ class Profile:
             "value_bins": list(self.value_bins),
             "codebook_id": self.codebooks.id if self.codebooks else BUILTIN_ID,
             "codebooks": self.codebooks.to_json() if self.codebooks else None,
+            "channel_scales": self.codebooks.scales_json() if self.codebooks else None,
             "info": self.info,
         }
 
@@ -92,7 +93,7 @@ class Profile:
         if m.get("version") != PROFILE_VERSION:
             raise ValueError(f"profile version {m.get('version')}; this kvstore reads {PROFILE_VERSION}")
         books = m.get("codebooks")
-        cset = CodebookSet.from_json(str(m["codebook_id"]), books) if books else None
+        cset = CodebookSet.from_json(str(m["codebook_id"]), books, m.get("channel_scales")) if books else None
         p = cls(
             str(m["name"]),
             [int(b) for b in m["key_bins"]],
@@ -103,6 +104,8 @@ class Profile:
         if cset is not None:
             for b in (*p.key_bins, *p.value_bins):
                 cset.book(alphabet(b))
+            if cset.channel_scales is not None and cset.channel_scales.shape[1] != p.num_layers:
+                raise ValueError("profile channel scales do not match its layer count")
         return p
 
     @classmethod

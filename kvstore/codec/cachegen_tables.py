@@ -98,11 +98,21 @@ class CodebookSet:
 
     id: str
     books: dict[int, Codebook]
+    # Optional per-channel scales [2 (K, V), L, C]: channels are divided by them before
+    # per-token quantization and multiplied back after (equalizes outlier channels).
+    channel_scales: np.ndarray | None = None
     digest: int = field(init=False)
 
     def __post_init__(self) -> None:
         h = xxhash.xxh3_64()
         h.update(f"{self.id}|{PROB_BITS}".encode())
+        if self.channel_scales is not None:
+            cs = np.ascontiguousarray(self.channel_scales, dtype=np.float32)
+            if cs.ndim != 3 or cs.shape[0] != 2 or not (np.isfinite(cs).all() and (cs > 0).all()):
+                raise ValueError("channel scales must be finite, positive, shaped [2, layers, channels]")
+            object.__setattr__(self, "channel_scales", cs)
+            h.update(np.array(cs.shape, np.uint32).tobytes())
+            h.update(cs.tobytes())
         for a in sorted(self.books):
             h.update(np.array([a, self.books[a].size], np.uint32).tobytes())
             h.update(self.books[a].freqs.tobytes())
@@ -120,9 +130,23 @@ class CodebookSet:
     def to_json(self) -> dict[str, list[list[int]]]:
         return {str(a): b.freqs.tolist() for a, b in sorted(self.books.items())}
 
+    def scales_json(self) -> list[str] | None:
+        """Channel scales as hex float32 bytes per (plane, layer): exact round trip."""
+        if self.channel_scales is None:
+            return None
+        cs = self.channel_scales
+        return [cs[p, i].astype("<f4").tobytes().hex() for p in range(2) for i in range(cs.shape[1])]
+
     @classmethod
-    def from_json(cls, id: str, m: dict[str, list[list[int]]]) -> CodebookSet:
-        return cls(id, {int(a): Codebook(int(a), np.array(t, dtype=np.uint32)) for a, t in m.items()})
+    def from_json(
+        cls, id: str, m: dict[str, list[list[int]]], scales: list[str] | None = None
+    ) -> CodebookSet:
+        cs = None
+        if scales:
+            rows = [np.frombuffer(bytes.fromhex(r), dtype="<f4") for r in scales]
+            cs = np.stack(rows).reshape(2, len(rows) // 2, -1).astype(np.float32)
+        books = {int(a): Codebook(int(a), np.array(t, dtype=np.uint32)) for a, t in m.items()}
+        return cls(id, books, cs)
 
 
 def builtin_codebook(a: int) -> Codebook:

@@ -222,3 +222,26 @@ async def test_cold_tier_stores_cachegen_frames_and_reads_them_back():
         (y,) = await tier.get_many(["k1"])
     assert y is not None and y.dtype == x.dtype
     max_error_ok(x, y, CacheGenCodec())
+
+
+def test_channel_scaled_profile_rounds_scales_and_survives_float16_overflow():
+    book = builtin_codebook(15)
+    cs = np.full((2, 2, 8), 0.5, np.float32)
+    cs[0, 1, 3] = 1e-4  # this channel is magnified 10^4 before per-token quantization
+    prof = Profile("eq", [16, 16], [16, 16], CodebookSet("eq-tables", {15: book}, cs))
+    c = CacheGenCodec(profile=prof)
+    x = kv_like((2, 2, 16, 8), torch.float16, seed=5)
+    for scale, scale_dtype in [(1.0, "float16"), (1000.0, "float32")]:
+        xs = (x.float() * scale).clamp(-6e4, 6e4).half()
+        buf = c.encode(xs)
+        payload = decode_frame(buf).payload
+        from kvstore.codec.cachegen_format import parse
+
+        assert parse(payload).layout.scale_dtype == scale_dtype and parse(payload).layout.channel_scaled
+        y = c.decode(buf)
+        assert torch.isfinite(y).all()
+        # Error bound: half a step of the scaled row, mapped back through the channel scale.
+        inv = torch.from_numpy(1 / cs).view(2, 2, 1, 8)
+        m = (xs.float() * inv).abs().amax(-1, keepdim=True)
+        bound = m / 14 * 1.01 / inv + xs.float().abs() * 2**-10 + 1e-6
+        assert ((y.float() - xs.float()).abs() <= bound).all()
