@@ -37,8 +37,16 @@ def codec() -> None:
 @click.option("--tables", default=128, show_default=True, help="tables per codebook (<= 256)")
 @click.option("--name", default=None, help="profile name (default: model + budget)")
 @click.option("--bins", "bins", default=None, help="keep these bins, fit codebooks only: 'lmcache'")
+@click.option(
+    "--equalize",
+    default=0.0,
+    show_default=True,
+    help="per-channel scales = (channel RMS)^power; 0 = none (reconstruction stays LMCache's for its bins)",
+)
 @click.option("--threads", default=2, show_default=True, help="torch threads")
-def calibrate(out, model, gguf_file, target_kl, prefix, cont, texts, tables, name, bins, threads) -> None:
+def calibrate(
+    out, model, gguf_file, target_kl, prefix, cont, texts, tables, name, bins, equalize, threads
+) -> None:
     """Measure per-layer K/V sensitivity and write a bins + codebook profile."""
     import torch
 
@@ -60,6 +68,7 @@ def calibrate(out, model, gguf_file, target_kl, prefix, cont, texts, tables, nam
         tables=tables,
         name=name,
         fixed_bins=fixed,
+        equalize=equalize,
         log=click.echo,
     )
     prof.save(out)

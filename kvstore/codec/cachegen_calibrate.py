@@ -50,12 +50,14 @@ def quantize_planes(
     return out
 
 
-def channel_scales(samples: list[kvmodel.Sample]) -> torch.Tensor:
-    """Per (plane, layer, channel) RMS over all calibration tokens, floored, float32."""
+def channel_scales(samples: list[kvmodel.Sample], power: float) -> torch.Tensor:
+    """Per (plane, layer, channel) RMS over all calibration tokens to `power` (0: none,
+    1: every channel to unit RMS), relative to the layer's mean, floored, float32."""
     kv = torch.cat([s.kv.float() for s in samples], 2)
     rms = kv.pow(2).mean(2).sqrt()
-    floor = rms.amax(-1, keepdim=True) * 1e-3 + 1e-12
-    return torch.maximum(rms, floor).float()
+    rms = torch.maximum(rms, rms.amax(-1, keepdim=True) * 1e-3 + 1e-12)
+    rel = rms / rms.mean(-1, keepdim=True)
+    return rel.pow(power).float()
 
 
 def symbol_hists(
@@ -140,7 +142,7 @@ def calibrate(
     tables: int = 128,
     name: str | None = None,
     fixed_bins: tuple[list[int], list[int]] | None = None,
-    equalize: bool = True,
+    equalize: float = 0.0,
     log: Callable[[str], None] = print,
 ) -> tuple[Profile, Calibration]:
     """Measure, allocate, fit codebooks; return the profile and what was measured.
@@ -150,7 +152,7 @@ def calibrate(
     samples = kvmodel.make_samples(lm, "calibration", prefix, cont, texts)
     L = lm.num_layers
     log(f"captured {len(samples)} calibration prompts ({prefix}+{cont} tokens) in {time.time() - t0:.0f}s")
-    cs = channel_scales(samples) if equalize else None
+    cs = channel_scales(samples, equalize) if equalize > 0 else None
 
     if fixed_bins is not None:
         kb, vb = [int(b) for b in fixed_bins[0]], [int(b) for b in fixed_bins[1]]
