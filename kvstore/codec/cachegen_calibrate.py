@@ -158,13 +158,14 @@ def calibrate(
         kb, vb = [int(b) for b in fixed_bins[0]], [int(b) for b in fixed_bins[1]]
         if len(kb) != L or len(vb) != L:
             raise ValueError(f"fixed bins are for {len(kb)} layers; the model has {L}")
-        q = kvmodel.quality(lm, samples, lambda kv: quantize_planes(kv, kb, vb))
+        q = kvmodel.quality(lm, samples, lambda kv: quantize_planes(kv, kb, vb, cs))
         log(f"fixed bins: measured KL {q.kl:.2e}, top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}")
-        return _finish(
+        prof, cal = _finish(
             lm,
             samples,
             kb,
             vb,
+            cs,
             np.zeros((2, L)),
             0.0,
             q,
@@ -177,6 +178,8 @@ def calibrate(
             t0,
             log,
         )
+        prof.info["equalize"] = float(equalize) if cs is not None else 0.0
+        return prof, cal
 
     # 1. Sensitivity: KL with one plane alone at PROBE_BINS.
     sens = np.zeros((2, L))
@@ -211,9 +214,11 @@ def calibrate(
         if q.kl <= target_kl * 1.05:
             break
         budget *= max(0.3, target_kl / q.kl)
-    return _finish(
+    prof, cal = _finish(
         lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log
     )
+    prof.info["equalize"] = float(equalize) if cs is not None else 0.0
+    return prof, cal
 
 
 def _finish(lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log):
