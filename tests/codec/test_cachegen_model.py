@@ -27,7 +27,7 @@ def test_calibrated_profile_beats_lmcache_preset_on_next_token_quality(lm_and_sa
     lm, samples = lm_and_samples
     preset = evaluate(get("cachegen", preset="lmcache"), "preset", samples, lm)
     tuned = evaluate(get("cachegen", profile="smollm2-135m"), "profile", samples, lm)
-    assert preset.ratio > 5.0 and tuned.ratio > 4.0
-    assert tuned.kl < preset.kl / 2
-    assert tuned.top1 >= 0.95 and abs(tuned.dppl) < 0.02
-    assert tuned.cosine > 0.99
+    assert preset.ratio > 5.0 and tuned.ratio > 3.8
+    assert tuned.kl < preset.kl / 3
+    assert tuned.top1 >= preset.top1 and abs(tuned.dppl) < abs(preset.dppl)
+    assert tuned.cosine > preset.cosine > 0.98
