@@ -309,7 +309,10 @@ class CacheGenCodec(Codec):
         vcache: dict[int, int] = {}
         for s in range(S):
             a = int(alphas[s])
-            book = cset.book(a)
+            try:
+                book = cset.book(a)
+            except ValueError as exc:
+                raise CacheGenPayloadError(f"cachegen stream {s}: {exc}") from exc
             if int(choice[s].max()) >= book.size:
                 raise CacheGenPayloadError(f"cachegen stream {s} names a table beyond its codebook")
             gtab[s] = choice[s] + tabs.base[a]
