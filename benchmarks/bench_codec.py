@@ -136,10 +136,10 @@ class _Adapter:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prefix", type=int, default=1024, help="prompt tokens (4 chunks of 256)")
+    ap.add_argument("--prefix", type=int, default=512, help="prompt tokens (2 chunks of 256)")
     ap.add_argument("--cont", type=int, default=128)
     ap.add_argument("--texts", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--scaling-reps", type=int, default=25)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--no-lmcache", action="store_true")
