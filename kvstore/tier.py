@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvstore import codec as codecs
 from kvstore.backends import Alloc, Backend, open_backend
+from kvstore.codec.base import CodecUnavailableError
 from kvstore.frame import Frame, FrameError, decode_frame
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class TierCounters:
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
+    undecodable: int = 0
     put_ok: int = 0
     put_failed: int = 0
 
@@ -128,6 +130,14 @@ class Tier:
                 dec = self._decoder(frame.header.codec)
                 target = out[i] if out is not None else None
                 result.append(dec.decode_payload(frame.payload, frame.header, target))
+            except CodecUnavailableError as exc:
+                self.counters.hits -= 1
+                self.counters.misses += 1
+                self.counters.undecodable += 1
+                log.error(
+                    "kvstore: %s in %s cannot be decoded here (%s); served as a miss", name, self.name, exc
+                )
+                result.append(None)
             except (FrameError, ValueError) as exc:
                 self.counters.hits -= 1
                 await self._quarantine(name, exc)
@@ -137,7 +147,10 @@ class Tier:
     def _decoder(self, name: str) -> codecs.Codec:
         dec = self._decoders.get(name)
         if dec is None:
-            dec = self._decoders[name] = codecs.get(name)
+            try:
+                dec = self._decoders[name] = codecs.get(name)
+            except (ValueError, ImportError) as exc:
+                raise CodecUnavailableError(f"codec {name!r} is not available: {exc}") from exc
         return dec
 
     async def _quarantine(self, name: str, exc: Exception) -> None:

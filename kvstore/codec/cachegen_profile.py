@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstore.codec.base import CodecUnavailableError
 from kvstore.codec.cachegen_tables import (
     BUILTIN_ID,
     CodebookSet,
@@ -25,14 +26,13 @@ from kvstore.codec.cachegen_tables import (
     builtin_set,
     check_bins,
 )
-from kvstore.frame import FrameError
 
 PROFILE_FORMAT = "kvstore-cachegen-profile"
 PROFILE_VERSION = 1
 PROFILE_DIR = Path(__file__).with_name("profiles")
 
 
-class UnknownCodebookError(FrameError):
+class UnknownCodebookError(CodecUnavailableError):
     """A payload was coded with tables this process cannot find."""
 
 
