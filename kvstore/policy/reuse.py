@@ -44,7 +44,7 @@ from collections.abc import Container, Hashable
 from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
 
 _SUB = 4  # age buckets per doubling
-_NB = 4 * 24  # ages up to 2**24 references
+_NB = _SUB * 24  # ages up to 2**24 references
 _HITS = 4
 
 
@@ -84,10 +84,15 @@ class _Entry:
 
 
 class ReusePolicy(Policy):
+    """Leaves ranked by learned hit density at their age; admission against the next victim.
+
+    `ghosts` (multiple of the resident chunk count) and `window` (events per resident
+    chunk between halvings) override the class defaults.
+    """
+
     name = "reuse"
 
     GHOSTS = 8  # ghosts remembered, as a multiple of the capacity in chunks
-    CLOCK = "refs"
     WINDOW = 8  # histograms halve after this many events per resident chunk
 
     def __init__(self, capacity: int, *, ghosts: float | None = None, window: float | None = None) -> None:
@@ -165,8 +170,7 @@ class ReusePolicy(Policy):
 
     # -- protocol ------------------------------------------------------------------------
     def miss(self, key: Hashable, meta: ChunkMeta = NO_META) -> None:
-        if self.CLOCK == "refs" or meta.depth == 0:
-            self._now += 1
+        self._now += 1
         g = self._ghosts.pop(key, None)
         if g is None:
             self._returning = None
@@ -246,8 +250,7 @@ class ReusePolicy(Policy):
         self._pushed = len(self._e)
 
     def touch(self, key: Hashable, meta: ChunkMeta = NO_META) -> None:
-        if self.CLOCK == "refs" or meta.depth == 0:
-            self._now += 1
+        self._now += 1
         e = self._e.get(key)
         if e is None:
             return
