@@ -41,7 +41,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Container, Hashable
 
-from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
+from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy, lazy_heap_top
 
 _SUB = 4  # age buckets per doubling
 _NB = _SUB * 24  # ages up to 2**24 references
@@ -278,24 +278,14 @@ class ReusePolicy(Policy):
                     self._push(e.parent, pe)
 
     def _head(self, c: int, protected: Container) -> tuple[int, Hashable] | None:
-        heap = self._heaps[c]
         entries = self._e
-        held = []
-        found = None
-        while heap:
-            last, _, key = heap[0]
-            e = entries.get(key)
-            if e is None or e.last != last or e.cls != c or e.kids:
-                heapq.heappop(heap)
-                continue
-            if key in protected:
-                held.append(heapq.heappop(heap))
-                continue
-            found = (last, key)
-            break
-        for item in held:
-            heapq.heappush(heap, item)
-        return found
+
+        def live(item: tuple) -> bool:
+            e = entries.get(item[2])
+            return e is not None and e.last == item[0] and e.cls == c and not e.kids
+
+        top = lazy_heap_top(self._heaps[c], live, protected)
+        return None if top is None else (top[0], top[2])
 
     def _lowest(self, protected: Container = NOTHING) -> tuple[float, int, Hashable] | None:
         best = None
