@@ -21,7 +21,7 @@ from kvstore.policy.simulate import single_tier
 from kvstore.policy.trace import read_trace
 
 FRACTIONS = (0.05, 0.10, 0.25)
-ORDER = ["lru", "lfu", "arc", "wtinylfu", "chain", "belady"]
+ORDER = ["lru", "lfu", "arc", "wtinylfu", "chain", "reuse", "belady"]
 
 
 def run(args: tuple[str, str, int, int | None, str, float]) -> tuple[str, str, float, float, float]:

@@ -154,10 +154,12 @@ class StoreConfig:
                 backend_class(tier.url)
             except ValueError as exc:
                 raise StoreConfigError(f"kvstore.tiers[{i}] ({tier.redacted()}): {exc}") from None
-            if tier.codec not in codecs.names():
+            try:
+                codecs.get(tier.codec)  # a name or a spec such as cachegen?profile=smollm2-135m
+            except (ValueError, TypeError, OSError) as exc:
                 raise StoreConfigError(
-                    f"kvstore.tiers[{i}] codec {tier.codec!r} is unknown; known: {', '.join(codecs.names())}"
-                )
+                    f"kvstore.tiers[{i}] codec {tier.codec!r}: {exc}; known codecs: {', '.join(codecs.names())}"
+                ) from None
         if not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", self.namespace):
             raise StoreConfigError(
                 f"kvstore.namespace {self.namespace!r}: use 1-64 letters, digits, '_', '-' or '.'"

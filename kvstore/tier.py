@@ -11,6 +11,7 @@ tier (or a migration) wrote with a different codec.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvstore import codec as codecs
 from kvstore.backends import Alloc, Backend, open_backend
+from kvstore.codec.base import CodecUnavailableError
 from kvstore.frame import Frame, FrameError, decode_frame
 
 if TYPE_CHECKING:
@@ -25,12 +27,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+OFFLOAD_BYTES = 1 << 20  # frames this large are checksummed / decoded in a worker thread
+
 
 @dataclass(slots=True)
 class TierCounters:
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
+    undecodable: int = 0
     put_ok: int = 0
     put_failed: int = 0
 
@@ -50,9 +55,29 @@ class Tier:
         return cls(open_backend(url), codec, name=name)
 
     async def put_many(self, items: Sequence[tuple[str, torch.Tensor]], *, layout: str = "raw") -> list[bool]:
-        """Encode and store; False where the backend could not store (counted there)."""
-        framed = [(name, self.codec.frame_parts(t, key=name, layout=layout)) for name, t in items]
-        return await self.put_frames(framed)
+        """Encode and store; False where the backend could not store (counted there).
+
+        Small items go to the backend as one batch.  Large ones (≥ `OFFLOAD_BYTES`) are
+        encoded in a worker thread (checksums and codecs release the GIL, so this runs on
+        another core) and written one by one, concurrently.
+        """
+        ok = [False] * len(items)
+        small = [i for i, (_, t) in enumerate(items) if t.nbytes < OFFLOAD_BYTES]
+        large = [i for i, (_, t) in enumerate(items) if t.nbytes >= OFFLOAD_BYTES]
+
+        def frame(i: int) -> tuple[str, list[memoryview]]:
+            name, tensor = items[i]
+            return name, self.codec.frame_parts(tensor, key=name, layout=layout)
+
+        async def put_small() -> None:
+            for i, r in zip(small, await self.put_frames([frame(i) for i in small])):
+                ok[i] = r
+
+        async def put_large(i: int) -> None:
+            (ok[i],) = await self.put_frames([await asyncio.to_thread(frame, i)])
+
+        await asyncio.gather(*([put_small()] if small else []), *(put_large(i) for i in large))
+        return ok
 
     async def put_frames(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> list[bool]:
         """Store already-framed objects (e.g. copied by a migration)."""
@@ -65,23 +90,25 @@ class Tier:
     async def get_frames(self, names: Sequence[str], alloc: Alloc | None = None) -> list[Frame | None]:
         """Verified frames (payload views into the read buffers); defects become None."""
         raws = await self.backend.get_many(names, alloc)
-        out: list[Frame | None] = []
-        for name, raw in zip(names, raws):
-            if raw is None:
-                self.counters.misses += 1
-                out.append(None)
-                continue
-            try:
-                frame = decode_frame(raw)
-                if frame.header.key and frame.header.key != name:
-                    raise FrameError(f"frame belongs to {frame.header.key!r}")
-            except FrameError as exc:
-                await self._quarantine(name, exc)
-                out.append(None)
-                continue
-            self.counters.hits += 1
-            out.append(frame)
-        return out
+        return list(await asyncio.gather(*(self._verify(n, raw) for n, raw in zip(names, raws))))
+
+    async def _verify(self, name: str, raw: memoryview | None) -> Frame | None:
+        if raw is None:
+            self.counters.misses += 1
+            return None
+        try:
+            frame = (
+                decode_frame(raw)
+                if raw.nbytes < OFFLOAD_BYTES
+                else await asyncio.to_thread(decode_frame, raw)
+            )
+            if frame.header.key and frame.header.key != name:
+                raise FrameError(f"frame belongs to {frame.header.key!r}")
+        except FrameError as exc:
+            await self._quarantine(name, exc)
+            return None
+        self.counters.hits += 1
+        return frame
 
     async def get_many(
         self,
@@ -103,6 +130,14 @@ class Tier:
                 dec = self._decoder(frame.header.codec)
                 target = out[i] if out is not None else None
                 result.append(dec.decode_payload(frame.payload, frame.header, target))
+            except CodecUnavailableError as exc:
+                self.counters.hits -= 1
+                self.counters.misses += 1
+                self.counters.undecodable += 1
+                log.error(
+                    "kvstore: %s in %s cannot be decoded here (%s); served as a miss", name, self.name, exc
+                )
+                result.append(None)
             except (FrameError, ValueError) as exc:
                 self.counters.hits -= 1
                 await self._quarantine(name, exc)
@@ -112,7 +147,10 @@ class Tier:
     def _decoder(self, name: str) -> codecs.Codec:
         dec = self._decoders.get(name)
         if dec is None:
-            dec = self._decoders[name] = codecs.get(name)
+            try:
+                dec = self._decoders[name] = codecs.get(name)
+            except (ValueError, ImportError) as exc:
+                raise CodecUnavailableError(f"codec {name!r} is not available: {exc}") from exc
         return dec
 
     async def _quarantine(self, name: str, exc: Exception) -> None:

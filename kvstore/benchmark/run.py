@@ -8,8 +8,9 @@ Method: one warm-up round (not counted), then `rounds` rounds of puts then gets;
 each pass the two sides take turns batch by batch (`concurrency` operations in flight,
 who goes first swapped every batch), each operation reading into its own reused
 buffer; medians (and the median of the per-round ratios) are reported, so slow drift of the machine hits both
-sides alike.  kvstore's side goes through the full stack: raw codec, frame with
-checksum, backend, and on get the frame's checksum is verified.  For ``file://``,
+sides alike.  With ``through="tier"`` (the default) kvstore's side is the full stack:
+raw codec, frame with checksum, backend, and on get the frame's checksum is verified;
+``through="backend"`` times the backend alone moving the same framed bytes.  For ``file://``,
 ``cache="cold"`` drops the written files from the page cache before every get pass
 (both sides), so reads come from the device; ``"warm"`` reads from the page cache.
 """
@@ -45,6 +46,7 @@ class BenchResult:
     concurrency: int
     rounds: int
     cache: str
+    through: str
     shape: tuple[int, ...]
     baseline: str
     put_mib_s: float
@@ -112,6 +114,7 @@ async def run_bench(
     concurrency: int = 4,
     rounds: int = 3,
     cache: str = "cold",
+    through: str = "tier",
     progress: Callable[[int], None] | None = None,
 ) -> BenchResult:
     """Measure `url` against its baseline; see the module docstring for the method."""
@@ -131,14 +134,25 @@ async def run_bench(
     tick = (lambda: progress(size)) if progress else (lambda: None)
     cold = cache == "cold" and urlsplit(url).scheme == "file"
 
+    if through not in ("tier", "backend"):
+        raise ValueError("through must be 'tier' (frames, codec, checksum) or 'backend' (bytes only)")
+    framed = [tier.codec.frame_parts(t, key="bench", layout="KV_2LTD") for t in tensors]
+
     async def ours_put(w: int, i: int) -> None:
-        ok = await tier.put_many([(names[i], tensors[i % distinct])], layout="KV_2LTD")
-        if not ok[0]:
+        if through == "tier":
+            (ok,) = await tier.put_many([(names[i], tensors[i % distinct])], layout="KV_2LTD")
+        else:
+            ok = await tier.backend.put(names[i], framed[i % distinct])
+        if not ok:
             raise RuntimeError(f"put of {names[i]} failed: {tier.backend.stats().counters}")
 
     async def ours_get(w: int, i: int) -> None:
-        (t,) = await tier.get_many([names[i]], alloc=lambda n, w=w: buffers[w])
-        if t is None:
+        alloc = lambda n, w=w: buffers[w]  # noqa: E731
+        if through == "tier":
+            (got,) = await tier.get_many([names[i]], alloc=alloc)
+        else:
+            got = await tier.backend.get(names[i], alloc=alloc)
+        if got is None:
             raise RuntimeError(f"get of {names[i]} missed: {tier.backend.stats().counters}")
 
     async def base_put(w: int, i: int) -> None:
@@ -178,6 +192,7 @@ async def run_bench(
         concurrency=concurrency,
         rounds=rounds,
         cache=cache if urlsplit(url).scheme == "file" else "n/a",
+        through=through,
         shape=shape,
         baseline=baseline.name,
         put_mib_s=med("put"),

@@ -32,10 +32,18 @@ def default_url() -> str:
     show_default=True,
     help="file:// only: read from the device (drop the page cache first) or from the page cache.",
 )
+@click.option(
+    "--through",
+    type=click.Choice(["tier", "backend"]),
+    default="tier",
+    show_default=True,
+    help="tier: the full stack (codec, frame, checksum verified on get); backend: the backend alone.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--tmp", is_flag=True, help="Use a fresh temporary directory (file:// default only).")
 def bench(
     url: str | None,
+    through: str,
     size: str,
     count: int,
     concurrency: int,
@@ -83,6 +91,7 @@ def bench(
                     concurrency=concurrency,
                     rounds=rounds,
                     cache=cache,
+                    through=through,
                     progress=bar.update,
                 )
             )
@@ -97,7 +106,8 @@ def bench(
     click.echo(f"kvstore bench  {result.url}")
     click.echo(
         f"  {result.count} chunks x {chunk / (1 << 20):.1f} MiB {list(result.shape)} bf16, "
-        f"concurrency {result.concurrency}, median of {result.rounds} rounds, cache {result.cache}"
+        f"concurrency {result.concurrency}, median of {result.rounds} rounds, cache {result.cache}, "
+        f"through the {result.through}"
     )
     click.echo(f"  baseline: {result.baseline}")
     click.echo(f"  {'':6}{'kvstore MiB/s':>15}{'baseline MiB/s':>16}{'ratio':>8}")

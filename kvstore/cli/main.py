@@ -16,6 +16,7 @@ import click
 COMMANDS: dict[str, str] = {
     "bench": "kvstore.cli.bench:bench",
     "demo": "kvstore.cli.demo:demo",
+    "codec": "kvstore.cli.codec:codec",
     "migrate": "kvstore.cli.ops:migrate",
     "ls": "kvstore.cli.ops:ls",
     "stat": "kvstore.cli.ops:stat",

@@ -78,7 +78,10 @@ def _human(n: float) -> str:
 @click.option("--namespace", help="Only this namespace (tenant).")
 @click.option("--model", help="Only this model.")
 @click.option("--prefix", default="", help="Only object names starting with this.")
-@click.option("--recode", type=click.Choice(["raw", "cachegen"]), help="Re-encode payloads on the way.")
+@click.option(
+    "--recode",
+    help="Re-encode payloads on the way: raw, cachegen, or a spec like 'cachegen?profile=smollm2-135m'.",
+)
 @click.option("--delete-source", is_flag=True, help="Delete each source object after its verified write.")
 @click.option("--dry-run", is_flag=True, help="Say what would be copied; write nothing.")
 @click.option("--concurrency", default=4, show_default=True)
@@ -105,8 +108,15 @@ def migrate(
 
     A rerun after a kill finishes the job without copying again what is done.
     """
+    from kvstore import codec as codecs
     from kvstore.ops.migrate import MigrateOptions, list_matching
     from kvstore.ops.migrate import migrate as run_migration
+
+    if recode is not None:
+        try:
+            codecs.get(recode)
+        except (ValueError, TypeError) as exc:
+            raise click.BadParameter(str(exc), param_hint="--recode") from exc
 
     opts = MigrateOptions(
         prefix=prefix,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+from urllib.parse import parse_qsl
 
 from kvstore.codec.base import Codec, Encoded
 
-__all__ = ["Codec", "Encoded", "get", "names", "register"]
+__all__ = ["Codec", "Encoded", "get", "names", "parse_spec", "register"]
 
 _BUILTIN = {
     "raw": "kvstore.codec.raw:RawCodec",
@@ -32,8 +33,25 @@ def names() -> list[str]:
     return sorted({*_BUILTIN, *_REGISTERED})
 
 
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"cachegen?profile=smollm2-135m&threads=2"`` → ("cachegen", {"profile": ..., "threads": 2}).
+
+    The spelling every configuration surface accepts (tier configs, ``--recode``, demo
+    options); integer-looking values become ints.
+    """
+    name, _, query = spec.partition("?")
+    options: dict[str, Any] = {}
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, options
+
+
 def get(name: str, **options: Any) -> Codec:
-    """A codec instance by name, e.g. ``get("raw")`` or ``get("cachegen", preset="lmcache")``."""
+    """A codec by name or spec: ``get("raw")``, ``get("cachegen", preset="lmcache")``,
+    ``get("cachegen?profile=smollm2-135m")``."""
+    if "?" in name:
+        name, parsed = parse_spec(name)
+        options = {**parsed, **options}
     cls = _REGISTERED.get(name)
     if cls is None:
         target = _BUILTIN.get(name)

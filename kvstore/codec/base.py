@@ -26,6 +26,12 @@ from kvstore.frame import FrameError, FrameHeader, decode_frame, encode_frame
 if TYPE_CHECKING:
     import torch
 
+
+class CodecUnavailableError(FrameError):
+    """The frame is intact, but this process cannot decode it (a codec, profile or table
+    it names is not installed).  Tiers serve it as a miss and leave it in place."""
+
+
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64")
 
 

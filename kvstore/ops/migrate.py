@@ -180,9 +180,10 @@ def _recode(frame: Frame, name: str, target: codecs.Codec) -> list[memoryview]:
 
 
 def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> bool:
-    if recode is None or recode == src.codec:
+    target = codecs.parse_spec(recode)[0] if recode is not None else None
+    if target is None or target == src.codec:
         return dst.csum == src.csum and dst.plen == src.plen
-    return dst.codec == recode and dst.meta.get("source_csum") == src.csum
+    return dst.codec == target and dst.meta.get("source_csum") == src.csum
 
 
 async def list_matching(src: Backend, opts: MigrateOptions) -> list[ObjectInfo]:

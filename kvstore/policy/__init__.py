@@ -4,6 +4,7 @@ Owns: the policy registry.  Policies (all byte-aware, all behind `Policy`):
 
 =========  ==============================================================
 ``chain``  default; prefix-chain aware, adaptive (see `kvstore.policy.chain`)
+``reuse``  hit density by age, learned per class, with admission (`kvstore.policy.reuse`)
 ``lru``    least recently used
 ``lfu``    least frequently used
 ``arc``    Adaptive Replacement Cache
@@ -23,11 +24,13 @@ from kvstore.policy.belady import BeladyPolicy
 from kvstore.policy.chain import ChainPolicy
 from kvstore.policy.classic import ARCPolicy, LFUPolicy, LRUPolicy, WTinyLFUPolicy
 from kvstore.policy.engine import Move, Placement, TierState
+from kvstore.policy.reuse import ReusePolicy
 
 DEFAULT_POLICY = "chain"
 
 POLICIES: dict[str, type[Policy]] = {
-    p.name: p for p in (ChainPolicy, LRUPolicy, LFUPolicy, ARCPolicy, WTinyLFUPolicy, BeladyPolicy)
+    p.name: p
+    for p in (ChainPolicy, ReusePolicy, LRUPolicy, LFUPolicy, ARCPolicy, WTinyLFUPolicy, BeladyPolicy)
 }
 ONLINE_POLICIES = tuple(n for n, p in POLICIES.items() if not p.offline)
 

@@ -20,11 +20,34 @@ request being stored); it returns None when every resident key is protected.
 from __future__ import annotations
 
 import abc
-from collections.abc import Container
+import heapq
+from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 NOTHING: frozenset[str] = frozenset()
+
+
+def lazy_heap_top(
+    heap: list[tuple[Any, ...]], live: Callable[[tuple[Any, ...]], bool], protected: Container[Hashable]
+) -> tuple[Any, ...] | None:
+    """The smallest live entry of a lazily-deleted heap whose key (its last element) is
+    not protected.  Stale entries (``live(entry)`` false) are dropped for good; protected
+    ones are set aside and pushed back, so the heap is otherwise unchanged."""
+    held = []
+    found = None
+    while heap:
+        top = heap[0]
+        if not live(top):
+            heapq.heappop(heap)
+        elif top[-1] in protected:
+            held.append(heapq.heappop(heap))
+        else:
+            found = top
+            break
+    for entry in held:
+        heapq.heappush(heap, entry)
+    return found
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Container, Hashable, Sequence
 
-from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
+from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy, lazy_heap_top
 
 NEVER = float("inf")
 
@@ -76,22 +76,8 @@ class BeladyPolicy(Policy):
         self._used -= self._sizes.pop(key, 0)
 
     def victim(self, protected: Container[str] = NOTHING) -> str | None:
-        held = []
-        found = None
-        heap = self._heap
-        while heap:
-            neg, key = heap[0]
-            if self._due.get(key) != -neg:
-                heapq.heappop(heap)
-                continue
-            if key in protected:
-                held.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for e in held:
-            heapq.heappush(heap, e)
-        return found  # type: ignore[return-value]
+        top = lazy_heap_top(self._heap, lambda e: self._due.get(e[1]) == -e[0], protected)
+        return None if top is None else top[1]
 
     def __contains__(self, key: object) -> bool:
         return key in self._due

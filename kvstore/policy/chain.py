@@ -38,7 +38,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Container, Hashable
 
-from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
+from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy, lazy_heap_top
 
 _HIT_BUCKETS = 6  # 0, 1, 2, 3, 4-7, 8+ hits since insertion
 _DEPTHS = 5  # depth 0, 1-3, 4-15, 16-63, 64+
@@ -219,21 +219,13 @@ class ChainPolicy(Policy):
     def _best_leaf(self, k: int, protected: Container) -> Hashable | None:
         heap = self._heaps[k]
         entries = self._e
-        held = []
-        found = None
-        while heap:
-            prio, _, key = heap[0]
-            e = entries.get(key)
-            if e is None or e.prio[k] != prio or e.kids:
-                heapq.heappop(heap)  # stale, or no longer a leaf (re-pushed when it is)
-                continue
-            if key in protected:
-                held.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for item in held:
-            heapq.heappush(heap, item)
+
+        def live(item: tuple) -> bool:  # not stale, and still a leaf (re-pushed when it becomes one)
+            e = entries.get(item[2])
+            return e is not None and e.prio[k] == item[0] and not e.kids
+
+        top = lazy_heap_top(heap, live, protected)
+        found = None if top is None else top[2]
         if len(heap) > 4 * len(entries) + 1024:
             self._compact(k)
         return found

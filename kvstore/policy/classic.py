@@ -10,7 +10,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Container
 
-from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
+from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy, lazy_heap_top
 
 
 def _first_unprotected(order: OrderedDict[str, int], protected: Container[str]) -> str | None:
@@ -85,22 +85,9 @@ class LFUPolicy(Policy):
         self._stamp.pop(key, None)
 
     def victim(self, protected: Container[str] = NOTHING) -> str | None:
-        held = []
-        found = None
-        heap = self._heap
-        while heap:
-            _, stamp, key = heap[0]
-            if self._stamp.get(key) != stamp:
-                heapq.heappop(heap)  # stale entry
-                continue
-            if key in protected:
-                held.append(heapq.heappop(heap))
-                continue
-            found = key
-            break
-        for entry in held:
-            heapq.heappush(heap, entry)
-        if len(heap) > 4 * len(self._stamp) + 64:
+        top = lazy_heap_top(self._heap, lambda e: self._stamp.get(e[2]) == e[1], protected)
+        found = None if top is None else top[2]
+        if len(self._heap) > 4 * len(self._stamp) + 64:
             self._heap = [(self._freq[k], s, k) for k, s in self._stamp.items()]
             heapq.heapify(self._heap)
         return found

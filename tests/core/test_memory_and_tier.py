@@ -60,3 +60,14 @@ async def test_tier_refuses_a_frame_stored_under_another_name() -> None:
     await tier.backend.put("ns/b", raw)  # a mis-filed object
     assert await tier.get_many(["ns/b"]) == [None]
     assert tier.counters.corrupt == 1
+
+
+async def test_frame_of_an_unknown_codec_is_a_miss_left_in_place() -> None:
+    from kvstore.frame import encode_frame
+
+    tier = Tier.open("mem://")
+    parts = encode_frame([b"\x00" * 16], codec="zstd-from-the-future", dtype="uint8", shape=(16,), key="ns/f")
+    await tier.backend.put("ns/f", parts)
+    assert await tier.get_many(["ns/f"]) == [None]
+    assert tier.counters.undecodable == 1 and tier.counters.corrupt == 0
+    assert await tier.contains_many(["ns/f"]) == [True]  # not quarantined: a newer kvstore can read it

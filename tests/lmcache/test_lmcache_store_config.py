@@ -61,7 +61,7 @@ def test_cold_codec_sets_last_tier():
     ("mapping", "message"),
     [
         ({"kvstore.tiers": ["nosuch://x"]}, "unknown backend scheme"),
-        ({"kvstore.tiers": [{"url": "mem://a", "codec": "zip"}]}, "codec 'zip' is unknown"),
+        ({"kvstore.tiers": [{"url": "mem://a", "codec": "zip"}]}, "codec 'zip': unknown codec"),
         ({"kvstore.tiers": "[not json"}, "not valid JSON"),
         ({"kvstore.tiers": []}, "empty"),
         ({"kvstore.tier": "mem://a"}, "unknown; known: kvstore.tiers"),

