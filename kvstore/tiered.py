@@ -73,6 +73,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvstore.backends.base import BackendStats
 from kvstore.buffers import BufferPool
+from kvstore.codec.base import CodecUnavailableError
 from kvstore.config import parse_size
 from kvstore.frame import FrameError, FrameHeader
 from kvstore.keys import InvalidKeyError, check_object_name
@@ -381,14 +382,22 @@ class TieredStore:
         async def write_tier(j: int, batch: list[tuple[int, Move]]) -> None:
             tier = self.tiers[j]
             payload = []
+            encoded: list[bool] = []
             for i, m in batch:
                 parts = frames[i]
                 if tier.codec is not top.codec and tier.codec.name != top.codec.name:
-                    parts = tier.codec.frame_parts(items[i][1], key=m.key, layout=layout)  # type: ignore[arg-type]
+                    try:
+                        parts = tier.codec.frame_parts(items[i][1], key=m.key, layout=layout)  # type: ignore[arg-type]
+                    except Exception as exc:  # this tier's codec cannot take it: a failed write there
+                        log.warning("kvstore: %s cannot encode %s: %s", self.tier_names[j], m.key, exc)
+                        encoded.append(False)
+                        continue
+                encoded.append(True)
                 payload.append((m.key, parts))
             t0 = time.perf_counter()
-            ok = await tier.put_frames(payload)  # type: ignore[arg-type]
+            written = iter(await tier.put_frames(payload) if payload else [])  # type: ignore[arg-type]
             self.metrics.op_seconds.labels("put", self.tier_names[j]).observe(time.perf_counter() - t0)
+            ok = [next(written) if e else False for e in encoded]
             for (i, m), good in zip(batch, ok):
                 name = m.key
                 self._writing[name] -= 1  # type: ignore[index]
@@ -602,6 +611,17 @@ class TieredStore:
                             continue
                     dec = tier._decoder(frame.header.codec)
                     res.append((dec.decode_payload(frame.payload, frame.header, target), HIT, size))
+                except CodecUnavailableError as exc:  # fine where it is: another process can read it
+                    tier.counters.hits -= 1
+                    tier.counters.misses += 1
+                    tier.counters.undecodable += 1
+                    log.error(
+                        "kvstore: %s in %s cannot be decoded here (%s); served as a miss",
+                        name,
+                        tier.name,
+                        exc,
+                    )
+                    res.append((None, DECLINED, size))
                 except FrameError as exc:
                     tier.counters.hits -= 1
                     await tier._quarantine(name, exc)
@@ -667,13 +687,15 @@ class TieredStore:
         moves: list[Move],
         now: float,
     ) -> None:
-        """Read names the engine does not know from each tier in turn; adopt what is found."""
+        """Read names the engine does not know from each tier in turn; adopt what is found,
+        also in the tiers below that hold a copy (so no cleanup takes those for strays)."""
         for j in range(len(self.tiers)):
             if not todo:
                 return
             sub_out = [out[i] for i in todo] if out is not None else None
             got = await self._read_tier(j, [names[i] for i in todo], sub_out)
             still = []
+            adopted: list[tuple[str, int]] = []
             for i, (tensor, status, size) in zip(todo, got):
                 name = names[i]
                 if status == GONE:
@@ -684,12 +706,24 @@ class TieredStore:
                     if self.placement.where(name) is not None and name not in self.book:
                         self.book.add(name, size, now)
                     self._discovered += 1
+                    adopted.append((name, size))
                 if status == HIT:
                     result[i] = tensor
                     served[i] = True
                     ns = namespace_of(name)
                     self.metrics.hits.labels(self.tier_names[j], ns).inc()
                     self.metrics.bytes_out.labels(self.tier_names[j], ns).inc(size)
+            for k in range(j + 1, len(self.tiers)):
+                if not adopted:
+                    break
+                try:
+                    held = await self.tiers[k].contains_many([n for n, _ in adopted])
+                except Exception as exc:
+                    log.warning("kvstore: contains on %s failed: %s", self.tier_names[k], exc)
+                    continue
+                for (name, size), h in zip(adopted, held):
+                    if h and self.placement.where(name) is not None and name not in self._copies:
+                        moves.extend(self.placement.adopt(name, k, size, self._protected))
             todo = still
 
     # -- deletes, pins -------------------------------------------------------------------

@@ -230,7 +230,7 @@ class Placement:
         """`key` was found already stored in tier `j` (written by another process or an
         earlier run): count it there, evicting for room like a write would.  No write
         move is returned (the bytes are there); if it does not fit, it is dropped."""
-        if self.where(key) is not None:
+        if key in self.tiers[j].resident:
             return []
         moves: list[Move] = []
         tier = self.tiers[j]

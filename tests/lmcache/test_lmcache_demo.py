@@ -16,7 +16,12 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSTORE_HOME", str(tmp_path))
     args = ["--json", "--prompts", "1", "--prompt-tokens", "257", "--chunk-size", "128", "--new-tokens", "4"]
     args += ["--tier", "mem://demo-test-hot", "--tier", f"file://{tmp_path / 'warm'}?fsync=false"]
-    args += ["--tier", f"file://{tmp_path / 'cold'}?fsync=false", "--cold-codec", "cachegen?profile=smollm2-135m"]
+    args += [
+        "--tier",
+        f"file://{tmp_path / 'cold'}?fsync=false",
+        "--cold-codec",
+        "cachegen?profile=smollm2-135m",
+    ]
     res = CliRunner().invoke(demo, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output[res.output.index("{") :])
@@ -24,7 +29,9 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch):
     assert first["hit_tokens"] == 0
     p = second["prompts"][0]
     assert p["hit_tokens"] == 256, "both full chunks come back from kvstore"
-    assert p["tokens_by_tier"] == {"1:file(raw)": 256}, "the restarted hot tier is empty: the warm tier serves"
+    assert p["tokens_by_tier"] == {"1:file(raw)": 256}, (
+        "the restarted hot tier is empty: the warm tier serves"
+    )
     assert p["identical"], "raw tiers return the exact KV, so the continuation is the same"
     cold = rep["passes"][2]["prompts"][0]
     assert cold["hit_tokens"] == 256, "the cachegen tier alone serves both chunks"

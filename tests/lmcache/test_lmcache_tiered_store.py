@@ -112,3 +112,22 @@ def test_buffer_pool_reuses_and_stays_bounded():
     for b in bufs:
         pool.give(b)
     assert pool.pooled_bytes == 2 << 20, "the second one did not fit under max_bytes"
+
+
+async def test_copies_below_the_one_found_are_kept(tmp_path):
+    urls = [
+        f"mem://deep-{uuid.uuid4().hex[:6]}",
+        f"file://{tmp_path / 'warm'}?fsync=false&write=through",
+        f"file://{tmp_path / 'cold'}?fsync=false&write=through",
+    ]
+    first = TieredStore.from_urls(urls)
+    t = torch.arange(1024, dtype=torch.float32)
+    await first.put_many([("ns/m/f-1-0/7", t)])
+    await first.close()
+    again = TieredStore.from_urls([f"mem://deep-{uuid.uuid4().hex[:6]}", *urls[1:]], discover=True)
+    (got,) = await again.get_many(["ns/m/f-1-0/7"], out=[torch.empty_like(t)])
+    assert torch.equal(got, t)
+    await again.drain()  # the promotion's cleanup must not take the cold copy for a stray
+    assert await again.tiers[2].contains_many(["ns/m/f-1-0/7"]) == [True]
+    assert again.placement.holders("ns/m/f-1-0/7") == [0, 1, 2]
+    await again.close()
