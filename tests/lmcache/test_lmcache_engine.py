@@ -11,11 +11,20 @@ from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
 
 PATHS = [("plugin", False), ("plugin", True), ("remote", False), ("remote", True)]
 IDS = ["plugin-sync", "plugin-async", "remote-sync", "remote-async"]
+TWO_PATHS = pytest.mark.parametrize(
+    ("path", "asyncm"), [("plugin", False), ("remote", True)], ids=["plugin-sync", "remote-async"]
+)
 
 
 def _store(eng, tokens, kv):
     eng.engine.store(tokens, kvcaches=kv)
     assert eng.wait_for_writes(10)
+
+
+def _names(eng, tokens) -> list[str]:
+    """kvstore object names of the chunks of `tokens`, in order."""
+    backend = eng.kvstore_backend()
+    return [backend._name(k) for _, _, k in eng.engine.token_database.process_tokens(tokens)]
 
 
 def _same_prefix(a, b, n):
@@ -60,18 +69,15 @@ def test_partial_hit_returns_the_right_prefix(make_engine, path, asyncm):
     assert cpu_bytes_in_use(eng) == 0
 
 
-@pytest.mark.parametrize(
-    ("path", "asyncm"), [("plugin", False), ("remote", True)], ids=["plugin-sync", "remote-async"]
-)
+@TWO_PATHS
 def test_a_deleted_chunk_shortens_the_hit(make_engine, path, asyncm):
     eng = make_engine(path, asyncm)
     tokens = torch.arange(4 * CHUNK)
     kv = random_kv(len(tokens), seed=2)
     _store(eng, tokens, kv)
     backend = eng.kvstore_backend()
-    keys = [k for _, _, k in eng.engine.token_database.process_tokens(tokens)]
     # chunk 2 disappears from storage (evicted or lost): the hit stops before it
-    names = [backend._name(keys[2])]
+    names = _names(eng, tokens)[2:3]
     assert backend.runtime.call(backend.runtime.store.delete_many(names), [False], "delete") == [True]
     out = empty(len(tokens))
     assert eng.lookup_then_load(tokens, out) == (2 * CHUNK, 2 * CHUNK)
@@ -108,9 +114,7 @@ def test_timeout_must_be_below_lmcache_deadline(make_engine, caplog):
     assert "below LMCache's blocking_timeout_secs" in caplog.text
 
 
-@pytest.mark.parametrize(
-    ("path", "asyncm"), [("plugin", False), ("remote", True)], ids=["plugin-sync", "remote-async"]
-)
+@TWO_PATHS
 def test_stored_chunks_carry_their_prefix_chain(make_engine, path, asyncm):
     """The chain policy sees each chunk's parent, also across a lookup and a later store."""
     eng = make_engine(path, asyncm)
@@ -122,8 +126,7 @@ def test_stored_chunks_carry_their_prefix_chain(make_engine, path, asyncm):
     new[: 2 * CHUNK] = False  # as vLLM does: store only what was not loaded from the cache
     eng.engine.store(tokens, mask=new, kvcaches=kv)
     assert eng.wait_for_writes(10)
-    backend = eng.kvstore_backend()
-    names = [backend._name(k) for _, _, k in eng.engine.token_database.process_tokens(tokens)]
-    meta = backend.runtime.store.placement.meta
+    names = _names(eng, tokens)
+    meta = eng.kvstore_backend().runtime.store.placement.meta
     assert [meta[n].parent for n in names] == [None, *names[:3]]
     assert [meta[n].depth for n in names] == [0, 1, 2, 3]
