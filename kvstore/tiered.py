@@ -507,9 +507,12 @@ class TieredStore:
         targets: list[torch.Tensor | None] = [None] * n
         whole = [False] * n
         refused: list[Exception | None] = [None] * n
+        stopped = False  # the read was cancelled: allocate nothing more
 
         def placer(k: int) -> Callable[[FrameHeader], memoryview | None]:
             def place(header: FrameHeader) -> memoryview | None:
+                if stopped:
+                    return None
                 if header.codec != "raw":
                     whole[k] = True  # decoded by its codec: read whole
                     return None
@@ -541,7 +544,15 @@ class TieredStore:
         sinks = [FrameSink(name, placer(k)) for k, name in enumerate(names)]
         if hasattr(tier.backend, "read_streamed"):
             order = iter(sinks)  # one sink per name, taken in order (a name may repeat)
-            verdicts = await tier.backend.read_streamed(names, lambda _name: next(order))
+            reading = asyncio.ensure_future(tier.backend.read_streamed(names, lambda _name: next(order)))
+            try:
+                verdicts = await asyncio.shield(reading)
+            except asyncio.CancelledError:
+                # worker threads are writing into the callers' tensors: the caller may free
+                # them only once those writes are over
+                stopped = True
+                await asyncio.wait({reading})
+                raise
         else:  # whole objects (memory views, or pooled buffers), then streamed into the targets
             taken: list[bytearray] = []
 
@@ -595,7 +606,12 @@ class TieredStore:
 
         res: list[tuple[torch.Tensor | None, int, int]] = []
         try:
-            frames = await tier.get_frames(names, alloc if pooled else None)
+            reading = asyncio.ensure_future(tier.get_frames(names, alloc if pooled else None))
+            try:
+                frames = await asyncio.shield(reading)
+            except asyncio.CancelledError:
+                await asyncio.wait({reading})  # pooled buffers go back only once nothing writes them
+                raise
             for k, (name, frame) in enumerate(zip(names, frames)):
                 if frame is None:
                     res.append((None, GONE, 0))

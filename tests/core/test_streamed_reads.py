@@ -3,9 +3,11 @@ back, sized from the index in one hop, and falling back to whole reads when they
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvstore.backends.disk import DiskBackend
@@ -87,3 +89,21 @@ async def test_known_size_reads_in_one_hop_and_a_rewritten_file_still_reads(tmp_
     (got,) = await be.get_many([NAME], alloc)
     assert bytes(got) == b"b" * 300
     assert sizes == [100, 300], "sized from the index first, then from the file"
+
+
+async def test_a_cancelled_read_returns_only_after_the_writes_into_out_end(tmp_path: Path) -> None:
+    st = _store(tmp_path)
+    names = [f"ns/m/f-1-0/{i}" for i in range(6)]
+    await st.put_many([(n, torch.randint(1, 1 << 30, (1024, 1024), dtype=torch.int32)) for n in names])
+    backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
+    outs = [torch.zeros(1024, 1024, dtype=torch.int32) for _ in names]  # bits, not floats: NaN != NaN
+    reader: asyncio.Future = asyncio.ensure_future(st.get_many(names, out=outs))
+    while not backend._reading:  # the reads have reached the worker threads
+        await asyncio.sleep(0)
+    reader.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reader
+    seen = [o.clone() for o in outs]
+    await asyncio.sleep(0.3)
+    assert all(torch.equal(o, s) for o, s in zip(outs, seen)), "a worker thread wrote into `out` after cancel"
+    await st.close()
