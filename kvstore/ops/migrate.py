@@ -37,9 +37,11 @@ from typing import Any
 from kvstore import codec as codecs
 from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
+from kvstore.buffers import BufferPool
 from kvstore.config import kvstore_home
 from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame, read_header
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+from kvstore.tier import OFFLOAD_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +181,12 @@ def _recode(frame: Frame, name: str, target: codecs.Codec) -> list[memoryview]:
     )
 
 
+async def _checked(raw: memoryview) -> Frame:
+    """`decode_frame`, in a worker thread for large objects (CRC32C releases the GIL, so
+    the check runs on the other core while the loop keeps I/O going)."""
+    return decode_frame(raw) if raw.nbytes < OFFLOAD_BYTES else await asyncio.to_thread(decode_frame, raw)
+
+
 def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> bool:
     target = codecs.parse_spec(recode)[0] if recode is not None else None
     if target is None or target == src.codec:
@@ -229,24 +237,39 @@ async def migrate(
     for o in todo:
         queue.put_nowait(o)
 
+    pool = BufferPool(max_bytes=opts.max_inflight_bytes)
+
     async def copy_one(info: ObjectInfo) -> None:
-        name = info.name
         if opts.dry_run:
             report.copied += 1
             report.copied_bytes += info.size
             return
-        (raw,) = await src.get_many([name])
+        taken: list[bytearray] = []
+
+        def alloc(n: int) -> memoryview:  # reused buffers: a fresh 32 MiB bytearray costs page faults
+            taken.append(pool.take(n))
+            return memoryview(taken[-1])
+
+        try:
+            await copy_object(info, alloc)
+        finally:
+            for buf in taken:
+                pool.give(buf)
+
+    async def copy_object(info: ObjectInfo, alloc: Callable[[int], memoryview]) -> None:
+        name = info.name
+        (raw,) = await src.get_many([name], alloc)
         if raw is None:
             log.warning("kvstore migrate: %s vanished from the source", name)
             report.failed.append(name)
             return
         try:
-            frame = decode_frame(raw)
+            frame = await _checked(raw)
         except FrameError as exc:
             log.error("kvstore migrate: source object %s is corrupt (%s); skipped, not copied", name, exc)
             report.corrupt.append(name)
             return
-        if await _done_in_destination(name, frame.header):
+        if await _done_in_destination(name, frame.header, alloc):
             journal.add(name)
             report.already_done += 1
             await _delete_source(name)
@@ -257,7 +280,7 @@ async def migrate(
         if not ok:
             report.failed.append(name)
             return
-        if opts.verify_after_write and not await _verify_written(name, expect_csum):
+        if opts.verify_after_write and not await _verify_written(name, expect_csum, alloc):
             report.failed.append(name)
             return
         journal.add(name)
@@ -266,21 +289,23 @@ async def migrate(
         report.written_bytes += sum(memoryview(p).nbytes for p in parts)
         await _delete_source(name)
 
-    async def _done_in_destination(name: str, src_header: FrameHeader) -> bool:
+    async def _done_in_destination(
+        name: str, src_header: FrameHeader, alloc: Callable[[int], memoryview]
+    ) -> bool:
         if not (await dst.contains_many([name]))[0]:
             return False
-        (have,) = await dst.get_many([name])
+        (have,) = await dst.get_many([name], alloc)
         if have is None:
             return False
         try:
-            return _matches_source(decode_frame(have).header, src_header, opts.recode)
+            return _matches_source((await _checked(have)).header, src_header, opts.recode)
         except FrameError:
             return False
 
-    async def _verify_written(name: str, csum: int) -> bool:
-        (back,) = await dst.get_many([name])
+    async def _verify_written(name: str, csum: int, alloc: Callable[[int], memoryview]) -> bool:
+        (back,) = await dst.get_many([name], alloc)
         try:
-            if back is not None and decode_frame(back).header.csum == csum:
+            if back is not None and (await _checked(back)).header.csum == csum:
                 return True
         except FrameError as exc:
             log.error("kvstore migrate: %s reads back corrupt from the destination: %s", name, exc)
