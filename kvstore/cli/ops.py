@@ -284,4 +284,5 @@ def gc(
         click.echo(
             f"{verb} {len(report.deleted)} of {report.before_objects} objects "
             f"({_human(report.deleted_bytes)}); {_human(report.after_bytes)} remain"
+            + (f"; {report.leftovers_removed} leftover parts removed" if report.leftovers_removed else "")
         )

@@ -173,6 +173,7 @@ class GcReport:
     deleted: list[str] = field(default_factory=list)
     deleted_bytes: int = 0
     after_bytes: int = 0
+    leftovers_removed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -187,7 +188,8 @@ async def gc_store(
     max_bytes: int | None = None,
     dry_run: bool = False,
 ) -> GcReport:
-    """Delete objects older than `older_than_s`, then oldest first until ≤ `max_bytes`.
+    """Delete objects older than `older_than_s`, then oldest first until ≤ `max_bytes`;
+    then let the backend drop its own leftovers (a Redis backend's orphaned value parts).
 
     With `namespace`, only that namespace is considered and `max_bytes` is its budget.
     Age is the frame's creation time where readable, else the object's mtime.
@@ -216,6 +218,9 @@ async def gc_store(
         names = [o.name for o in doomed]
         for start in range(0, len(names), 500):
             await backend.delete_many(names[start : start + 500])
+    collect = getattr(backend, "collect_garbage", None)  # backend-internal leftovers (Redis parts)
+    if collect is not None and not dry_run:
+        report.leftovers_removed = await collect()
     report.deleted = [o.name for o in doomed]
     report.deleted_bytes = sum(o.size for o in doomed)
     report.after_bytes = report.before_bytes - report.deleted_bytes

@@ -113,3 +113,22 @@ def test_wrong_s3_credentials_are_exit_3_with_the_fix(s3_url, monkeypatch) -> No
     code, out = run("ls", url)
     assert code == 3
     assert "credential" in out.lower() or "signature" in out.lower()
+
+
+async def test_gc_removes_redis_leftover_parts(redis_url) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from kvstore.backends import open_backend
+
+    url = redis_url(part_size="4MiB")
+    b = open_backend(url)
+    name = ChunkKey("m", 1, 0, 1).object_name()
+    assert await b.put(name, os.urandom(10 << 20))  # three parts
+    assert await b.put(name, os.urandom(2 << 20))  # one big single-part value leaves the old parts behind
+    await b.close()
+    code, out = await asyncio.to_thread(run, "gc", url, "--max-bytes", "1TiB", "--json")
+    report = json.loads(out)
+    assert code == 0 and report["deleted"] == [] and report["leftovers_removed"] == 1
+    b = open_backend(url)
+    assert len(await b.get(name)) == 2 << 20  # the live value is untouched
+    await b.close()
