@@ -135,10 +135,6 @@ class Frame:
     header: FrameHeader
     payload: memoryview
 
-    @property
-    def size(self) -> int:
-        return PREFIX_LEN + len(self.payload)
-
 
 def encode_frame(
     payload_parts: Sequence[memoryview | bytes | bytearray],
@@ -206,7 +202,3 @@ def decode_frame(buf: memoryview | bytes | bytearray, *, verify: bool = True) ->
     if verify and checksum([payload]) != header.csum:
         raise ChecksumMismatchError("payload fails its checksum")
     return Frame(header, payload)
-
-
-def frame_length(parts: Sequence[memoryview]) -> int:
-    return sum(p.nbytes for p in parts)

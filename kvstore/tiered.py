@@ -870,28 +870,31 @@ class TieredStore:
 
     async def _copy_bytes(self, name: str, src_i: int, dst_i: int) -> bool:
         src, dst = self.tiers[src_i], self.tiers[dst_i]
-        captured: list[memoryview] = []
+        taken: list[bytearray] = []
 
-        def alloc(n: int) -> memoryview:
-            buf = memoryview(bytearray(n))
-            captured.append(buf)
-            return buf
+        def alloc(n: int) -> memoryview:  # pooled: a fresh multi-MiB buffer costs page faults
+            taken.append(self.pool.take(n))
+            return memoryview(taken[-1])
 
         t0 = time.perf_counter()
-        frame = (await src.get_frames([name], alloc))[0]
-        if frame is None:
-            self.metrics.errors.labels("copy", self.tier_names[src_i]).inc()
-            return False
-        if frame.header.codec == dst.codec.name:
-            parts = [captured[-1]]  # the verified frame as read: copied byte for byte
-        else:
-            try:
-                tensor = src._decoder(frame.header.codec).decode_payload(frame.payload, frame.header)
-            except (FrameError, ValueError):
+        try:
+            frame = (await src.get_frames([name], alloc))[0]
+            if frame is None:
                 self.metrics.errors.labels("copy", self.tier_names[src_i]).inc()
                 return False
-            parts = dst.codec.frame_parts(tensor, key=name, layout=frame.header.layout)
-        ok = (await dst.put_frames([(name, parts)]))[0]
+            if frame.header.codec == dst.codec.name:
+                parts = [memoryview(taken[-1])]  # the verified frame as read, byte for byte
+            else:
+                try:
+                    tensor = src._decoder(frame.header.codec).decode_payload(frame.payload, frame.header)
+                except (FrameError, ValueError):
+                    self.metrics.errors.labels("copy", self.tier_names[src_i]).inc()
+                    return False
+                parts = dst.codec.frame_parts(tensor, key=name, layout=frame.header.layout)
+            ok = (await dst.put_frames([(name, parts)]))[0]  # every backend is done with the buffer here
+        finally:
+            for buf in taken:
+                self.pool.give(buf)
         self.metrics.op_seconds.labels("copy", self.tier_names[dst_i]).observe(time.perf_counter() - t0)
         if not ok:
             self.metrics.errors.labels("put", self.tier_names[dst_i]).inc()

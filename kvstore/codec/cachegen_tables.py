@@ -175,10 +175,6 @@ def builtin_set(alphabets: list[int]) -> CodebookSet:
     return CodebookSet(BUILTIN_ID, {a: _BUILTIN_CACHE[a] for a in sorted(set(alphabets))})
 
 
-def builtin_digest(a: int) -> int:
-    return builtin_set([a]).digest
-
-
 def fit_codebook(hists: np.ndarray, k: int = MAX_TABLES, iters: int = 20, seed: int = 0) -> Codebook:
     """Fit K tables to per-channel symbol histograms [N, A] by k-means under code length
     (each histogram is assigned to the table that codes it in the fewest bits)."""
