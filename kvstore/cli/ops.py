@@ -143,7 +143,10 @@ def migrate(
 
             return await run_migration(src, dst, opts, progress=tick, objects=objects)
 
-    report = _run(main, (src_url, "SRC_URL"), (dst_url, "DST_URL"))
+    try:
+        report = _run(main, (src_url, "SRC_URL"), (dst_url, "DST_URL"))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     if as_json:
         click.echo(json.dumps(report.to_dict()))
     else:

@@ -210,6 +210,12 @@ async def migrate(
 
     `progress(objects_done, bytes_done)` is called after each object.
     """
+    if opts.delete_source and not opts.dry_run and dst.stats().capacity_bytes is not None:
+        raise ValueError(
+            f"{redact_url(dst.url)} has a byte budget and may evict what it receives, so "
+            "--delete-source could lose objects; migrate into a URL without capacity= "
+            "or drop --delete-source"
+        )
     t0 = time.perf_counter()
     report = MigrationReport(src=redact_url(src.url), dst=redact_url(dst.url), dry_run=opts.dry_run)
     if objects is None:

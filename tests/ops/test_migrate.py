@@ -122,14 +122,26 @@ async def test_delete_source_only_after_verified_write(tmp_path: Path) -> None:
     src_url = (tmp_path / "src").as_uri()
     data = await fill(src_url, 6)
     src = open_backend(src_url)
-    full = DiskBackend(tmp_path / "dst", capacity=3 * 10_000)  # room for ~3 objects of ~8 KiB
-    report = await migrate(
-        src, full, MigrateOptions(delete_source=True, concurrency=1, journal=tmp_path / "j")
-    )
-    # every object that left the source reads back intact from the destination
+    broken = DiskBackend(tmp_path / "dst")
+    for name in list(data)[:3]:  # a file where the shard directory should be: those writes fail
+        broken.path_of(name).parent.write_text("not a directory")
+    report = await migrate(src, broken, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+    assert sorted(report.failed) == sorted(n for n in list(data)[:3] if not broken.path_of(n).parent.is_dir())
+    assert len(report.failed) == 3 and report.deleted == 3
     left = await src.contains_many(list(data))
-    assert report.deleted == sum(not x for x in left)
-    assert report.deleted + len(report.failed) == 6 or report.failed == []
+    assert [n for n, x in zip(data, left) if x] == [n for n in data if n in report.failed]
+    await assert_same((tmp_path / "dst").as_uri(), {n: t for n, t in data.items() if n not in report.failed})
+
+
+async def test_delete_source_into_a_budgeted_store_is_refused(tmp_path: Path) -> None:
+    src_url = (tmp_path / "src").as_uri()
+    await fill(src_url, 2)
+    with pytest.raises(ValueError, match="delete-source"):
+        await migrate(
+            open_backend(src_url),
+            DiskBackend(tmp_path / "dst", capacity=1 << 20),
+            MigrateOptions(delete_source=True),
+        )
 
 
 async def test_recode_raw_to_cachegen_shrinks(tmp_path: Path) -> None:
