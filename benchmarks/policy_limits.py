@@ -36,8 +36,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from kvstore.policy import ChunkMeta, Placement, Policy, TierState
-from kvstore.policy.base import NO_META, NOTHING
-from kvstore.policy.simulate import chain_meta, single_tier
+from kvstore.policy.base import NO_META, NOTHING, lazy_heap_top
+from kvstore.policy.simulate import replay, single_tier
 from kvstore.policy.trace import Request, distinct_blocks, read_trace
 
 FRACTIONS = (0.05, 0.10, 0.25)
@@ -244,22 +244,18 @@ class FrozenDensity(Policy):
     def _lowest(self, protected: Container) -> tuple[float, Hashable] | None:
         best: tuple[float, Hashable] | None = None
         for (tail, group), heap in self._heaps.items():
-            held = []
-            while heap:
-                last, key = heap[0]
-                e = self._e.get(key)
-                if e is None or e.last != last or e.tail != tail or e.group != group or e.kids:
-                    heapq.heappop(heap)
-                elif key in protected:
-                    held.append(heapq.heappop(heap))
-                else:
-                    break
-            for item in held:
-                heapq.heappush(heap, item)
-            if heap:
-                score = self._score(tail, group, self.now - heap[0][0])
+
+            def live(item: tuple, tail: bool = tail, group: int = group) -> bool:
+                e = self._e.get(item[-1])
+                return (
+                    e is not None and e.last == item[0] and e.tail == tail and e.group == group and not e.kids
+                )
+
+            top = lazy_heap_top(heap, live, protected)
+            if top is not None:
+                score = self._score(tail, group, self.now - top[0])
                 if best is None or score < best[0]:
-                    best = (score, heap[0][1])
+                    best = (score, top[-1])
         return best
 
     def victim(self, protected: Container = NOTHING) -> Hashable | None:
@@ -276,19 +272,14 @@ class FrozenDensity(Policy):
 
 
 def replay_frozen(reqs: list[Request], fraction: float, policy_of: Callable[[int], FrozenDensity]) -> float:
+    """The simulator's replay, one request at a time so the policy knows which one it is."""
     cap = int(fraction * distinct_blocks(reqs))
     policy = policy_of(cap)
     placement = Placement([TierState(capacity=cap, policy=policy, name="tier0")])
     hits = 0
     for j, r in enumerate(reqs):
         policy.request = j
-        keys = r.hash_ids
-        n = placement.prefix(keys)
-        hits += n
-        for i in range(n):
-            placement.hit(keys[i])
-        for i in range(n, len(keys)):
-            placement.store(keys[i], 1, chain_meta(keys, i))
+        hits += replay(placement, [r])
     return hits / sum(len(r.hash_ids) for r in reqs)
 
 
