@@ -69,6 +69,20 @@ class ChecksumMismatchError(FrameError):
     """The payload does not match its checksum (bit rot or a torn write)."""
 
 
+class MisplacedFrameError(FrameError):
+    """An intact frame stored under another object's name (files swapped or copied)."""
+
+
+def check_key(header: FrameHeader, name: str) -> None:
+    """Raise `MisplacedFrameError` unless `header` was written for object `name`.
+
+    A frame without a key (or with another one) is not `name`'s: serving it would hand
+    one key's tensor to another, so every reader that knows the name it asked for checks.
+    """
+    if header.key != name:
+        raise MisplacedFrameError(f"frame belongs to {header.key!r}, not {name!r}")
+
+
 def checksum(parts: Sequence[memoryview | bytes | bytearray]) -> int:
     """CRC32C over the concatenation of `parts`, without concatenating them.
 
@@ -166,8 +180,12 @@ def encode_frame(
     return [memoryview(prefix + hbytes), *views]
 
 
-def read_header(buf: memoryview | bytes | bytearray) -> tuple[FrameHeader, int]:
-    """Parse and check the prefix and header; return them and the payload offset."""
+def read_header(buf: memoryview | bytes | bytearray, *, key: str | None = None) -> tuple[FrameHeader, int]:
+    """Parse and check the prefix and header; return them and the payload offset.
+
+    With `key` (the name the object was read under), a frame written for another name
+    raises `MisplacedFrameError`.
+    """
     mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
     if len(mv) < PREFIX_LEN:
         raise LengthMismatchError(f"object of {len(mv)} bytes is shorter than a frame prefix")
@@ -187,13 +205,21 @@ def read_header(buf: memoryview | bytes | bytearray) -> tuple[FrameHeader, int]:
         m = msgpack.unpackb(hbytes, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several unrelated types
         raise CorruptHeaderError(f"frame header is not valid msgpack: {exc}") from exc
-    return FrameHeader.from_map(m), PREFIX_LEN + hlen
+    header = FrameHeader.from_map(m)
+    if key is not None:
+        check_key(header, key)
+    return header, PREFIX_LEN + hlen
 
 
-def decode_frame(buf: memoryview | bytes | bytearray, *, verify: bool = True) -> Frame:
-    """Check a whole stored object; return its header and a zero-copy payload view."""
+def decode_frame(
+    buf: memoryview | bytes | bytearray, *, verify: bool = True, key: str | None = None
+) -> Frame:
+    """Check a whole stored object; return its header and a zero-copy payload view.
+
+    With `key`, the frame must have been written for that object name (see `check_key`).
+    """
     mv = memoryview(buf).cast("B") if not isinstance(buf, memoryview) else buf.cast("B")
-    header, off = read_header(mv)
+    header, off = read_header(mv, key=key)
     if len(mv) - off != header.plen:
         raise LengthMismatchError(
             f"payload is {len(mv) - off} bytes, header says {header.plen} (truncated or torn)"

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstore import codec as codecs
@@ -98,12 +99,10 @@ class Tier:
             return None
         try:
             frame = (
-                decode_frame(raw)
+                decode_frame(raw, key=name)
                 if raw.nbytes < OFFLOAD_BYTES
-                else await asyncio.to_thread(decode_frame, raw)
+                else await asyncio.to_thread(partial(decode_frame, raw, key=name))
             )
-            if frame.header.key and frame.header.key != name:
-                raise FrameError(f"frame belongs to {frame.header.key!r}")
         except FrameError as exc:
             await self._quarantine(name, exc)
             return None

@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -181,10 +182,13 @@ def _recode(frame: Frame, name: str, target: codecs.Codec) -> list[memoryview]:
     )
 
 
-async def _checked(raw: memoryview) -> Frame:
-    """`decode_frame`, in a worker thread for large objects (CRC32C releases the GIL, so
-    the check runs on the other core while the loop keeps I/O going)."""
-    return decode_frame(raw) if raw.nbytes < OFFLOAD_BYTES else await asyncio.to_thread(decode_frame, raw)
+async def _checked(raw: memoryview, name: str) -> Frame:
+    """`decode_frame` of object `name` (a frame written for another name is a
+    `MisplacedFrameError`), in a worker thread for large objects (CRC32C releases the
+    GIL, so the check runs on the other core while the loop keeps I/O going)."""
+    if raw.nbytes < OFFLOAD_BYTES:
+        return decode_frame(raw, key=name)
+    return await asyncio.to_thread(partial(decode_frame, raw, key=name))
 
 
 def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> bool:
@@ -270,7 +274,7 @@ async def migrate(
             report.failed.append(name)
             return
         try:
-            frame = await _checked(raw)
+            frame = await _checked(raw, name)
         except FrameError as exc:
             log.error("kvstore migrate: source object %s is corrupt (%s); skipped, not copied", name, exc)
             report.corrupt.append(name)
@@ -304,14 +308,14 @@ async def migrate(
         if have is None:
             return False
         try:
-            return _matches_source((await _checked(have)).header, src_header, opts.recode)
+            return _matches_source((await _checked(have, name)).header, src_header, opts.recode)
         except FrameError:
             return False
 
     async def _verify_written(name: str, csum: int, alloc: Callable[[int], memoryview]) -> bool:
         (back,) = await dst.get_many([name], alloc)
         try:
-            if back is not None and (await _checked(back)).header.csum == csum:
+            if back is not None and (await _checked(back, name)).header.csum == csum:
                 return True
         except FrameError as exc:
             log.error("kvstore migrate: %s reads back corrupt from the destination: %s", name, exc)

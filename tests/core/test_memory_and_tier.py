@@ -60,6 +60,19 @@ async def test_tier_refuses_a_frame_stored_under_another_name() -> None:
     await tier.backend.put("ns/b", raw)  # a mis-filed object
     assert await tier.get_many(["ns/b"]) == [None]
     assert tier.counters.corrupt == 1
+    assert await tier.contains_many(["ns/b", "ns/a"]) == [False, True]  # quarantined, the owner kept
+
+
+async def test_tier_refuses_a_frame_without_a_key() -> None:
+    from kvstore.frame import MisplacedFrameError, decode_frame, encode_frame
+
+    tier = Tier.open("mem://")
+    await tier.backend.put("ns/k", encode_frame([b"\x00" * 16], codec="raw", dtype="uint8", shape=(16,)))
+    assert await tier.get_many(["ns/k"]) == [None]
+    assert tier.counters.corrupt == 1
+    assert await tier.get_frames(["ns/k"]) == [None]
+    with pytest.raises(MisplacedFrameError):
+        decode_frame(encode_frame([b"x"], codec="raw")[0].tobytes() + b"x", key="ns/k")
 
 
 async def test_frame_of_an_unknown_codec_is_a_miss_left_in_place() -> None:

@@ -132,3 +132,13 @@ async def test_gc_removes_redis_leftover_parts(redis_url) -> None:  # type: igno
     b = open_backend(url)
     assert len(await b.get(name)) == 2 << 20  # the live value is untouched
     await b.close()
+
+
+def test_verify_reports_a_frame_under_another_name(tmp_path: Path) -> None:
+    names = populate(tmp_path)
+    be = DiskBackend(tmp_path)
+    be.path_of(names[1]).write_bytes(be.path_of(names[0]).read_bytes())
+    code, out = run("verify", tmp_path.as_uri(), "--json")
+    report = json.loads(out)
+    assert code == 1 and list(report["bad"]) == [names[1]]
+    assert "MisplacedFrameError" in report["bad"][names[1]]

@@ -214,3 +214,50 @@ def test_kill_9_then_rerun_finishes_writing_each_object_once(tmp_path: Path) -> 
         text=True,
     )
     assert verify.returncode == 0 and json.loads(verify.stdout)["ok"] == 120
+
+
+async def _swap_two(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 4)
+    a, b = (DiskBackend(tmp_path / "src").path_of(n) for n in list(data)[:2])
+    blob_a, blob_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(blob_b)
+    b.write_bytes(blob_a)  # two intact frames, each under the other's name
+    return src_url, data
+
+
+@pytest.mark.parametrize("recode", [None, "raw", "cachegen"])
+async def test_swapped_objects_are_neither_copied_nor_deleted(tmp_path: Path, recode: str | None) -> None:
+    if recode == "cachegen":
+        pytest.importorskip("kvstore.codec.cachegen")
+    src_url, data = await _swap_two(tmp_path)
+    names = list(data)
+    src, dst = open_backend(src_url), open_backend((tmp_path / "dst").as_uri())
+    report = await migrate(
+        src, dst, MigrateOptions(recode=recode, delete_source=True, journal=tmp_path / "j")
+    )
+    assert sorted(report.corrupt) == sorted(names[:2]) and report.copied == 2 and report.deleted == 2
+    assert await dst.contains_many(names) == [False, False, True, True]
+    assert await src.contains_many(names) == [True, True, False, False]  # the swapped ones stay
+
+
+def test_cli_migrate_of_swapped_objects_exits_nonzero(tmp_path: Path) -> None:
+    src_url, data = asyncio.run(_swap_two(tmp_path))
+    env = {**os.environ, "KVSTORE_HOME": str(tmp_path / "home")}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvstore.cli.main",
+            "migrate",
+            src_url,
+            (tmp_path / "d").as_uri(),
+            "--recode",
+            "raw",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1, out.stderr
+    assert all(f"corrupt in source, skipped: {n}" in out.stderr for n in list(data)[:2])
