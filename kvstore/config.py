@@ -6,6 +6,7 @@ creating the home directory.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -28,6 +29,7 @@ _UNITS = {
     "tib": 1 << 40,
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIGNED_SIZE = re.compile(r"^\s*(-?[0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -40,6 +42,54 @@ def parse_size(text: str | int | None) -> int | None:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read size {text!r}; write e.g. 512MiB, 10GiB or 1000000")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def option_int(name: str, text: str | int, *, minimum: int = 1) -> int:
+    """An integer setting of at least `minimum`; the error names the setting."""
+    try:
+        value = text if isinstance(text, int) and not isinstance(text, bool) else int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer; write e.g. {name}={max(minimum, 4)}") from None
+    if value < minimum:
+        raise ValueError(f"{name}={text!r} must be at least {minimum}")
+    return value
+
+
+def option_float(name: str, text: str | float, *, allow_zero: bool = False) -> float:
+    """A positive (with `allow_zero`: non-negative) finite number; the error names the setting."""
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={text!r} is not a number; write e.g. {name}=5 or {name}=0.5") from None
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={text!r} must be {'zero or more' if allow_zero else 'more than zero'}")
+    return value
+
+
+def option_size(name: str, text: str | int | None, *, unbounded: bool = True) -> int | None:
+    """A byte size setting: ``512MiB``, ``10GiB``, an integer.  With `unbounded`, ``none``
+    (or ``unbounded``, ``inf``, empty) means no limit (None); zero and negative sizes are
+    errors naming the setting, never a silent "unlimited"."""
+    if text is None:
+        return None
+    if isinstance(text, bool):
+        raise ValueError(f"{name}={text!r}: cannot read size; write e.g. {name}=512MiB")
+    word = text.strip().lower() if isinstance(text, str) else None
+    if word in ("", "none", "inf", "unbounded"):
+        if unbounded:
+            return None
+        raise ValueError(f"{name} needs a size; write e.g. {name}=512MiB")
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIGNED_SIZE.match(text)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name}={text!r}: cannot read size; write e.g. {name}=512MiB, 10GiB or 1000000")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        hint = f" (for no limit write {name}=none)" if unbounded else ""
+        raise ValueError(f"{name}={text!r} must be more than zero{hint}")
+    return value
 
 
 def parse_bool(text: str | bool | None, default: bool = False) -> bool:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kvstore.config import kvstore_home, parse_size
+from kvstore.config import kvstore_home, option_float, option_size
 from kvstore.policy import DEFAULT_POLICY, ONLINE_POLICIES
 
 PREFIX = "kvstore."
@@ -133,7 +133,7 @@ class StoreConfig:
             cfg = replace(cfg, timeout_s=_parse_float("timeout_s", values["timeout_s"]))
         if "max_pending" in values:
             try:
-                cfg = replace(cfg, max_pending=parse_size(values["max_pending"]))
+                cfg = replace(cfg, max_pending=option_size("max_pending", values["max_pending"]))
             except ValueError as exc:
                 raise StoreConfigError(f"kvstore.max_pending: {exc}") from None
         if "policy" in values:
@@ -286,6 +286,8 @@ def _written_through(url: str) -> str:
 
 def _parse_float(name: str, value: Any) -> float:
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise StoreConfigError(f"kvstore.{name}: cannot read {value!r} as a number of seconds") from None
+        return option_float(name, value)
+    except ValueError as exc:
+        raise StoreConfigError(
+            f"kvstore.{name}: cannot read {value!r} as a number of seconds ({exc})"
+        ) from None

@@ -61,7 +61,7 @@ from kvstore.backends.base import (
     redact_url,
 )
 from kvstore.backends.stream import STREAM_BLOCK, StreamSink
-from kvstore.config import parse_bool, parse_size, url_options
+from kvstore.config import option_int, option_size, parse_bool, url_options
 from kvstore.eviction import Evictor, LRUEvictor
 from kvstore.keys import InvalidKeyError, check_object_name
 
@@ -201,6 +201,9 @@ class DiskBackend(Backend):
         url: str | None = None,
     ) -> None:
         super().__init__(url or Path(root).absolute().as_uri())
+        option_int("concurrency", concurrency)
+        if capacity is not None:
+            option_size("capacity", capacity)
         self.root = Path(root)
         self.objects_dir = self.root / "objects"
         self.quarantine_dir = self.root / "quarantine"
@@ -229,9 +232,9 @@ class DiskBackend(Backend):
         opts = url_options(url, {"capacity", "fsync", "concurrency"})
         return cls(
             unquote(parts.path),
-            capacity=parse_size(opts.get("capacity")),
+            capacity=option_size("capacity", opts.get("capacity")),
             fsync=parse_bool(opts.get("fsync"), True),
-            concurrency=int(opts.get("concurrency", 4)),
+            concurrency=option_int("concurrency", opts.get("concurrency", 4)),
             url=url,
         )
 

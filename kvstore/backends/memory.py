@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvstore.backends.base import Alloc, Backend, BackendStats, ObjectInfo, Value, as_parts, redact_url
-from kvstore.config import parse_size, url_options
+from kvstore.config import option_size, url_options
 from kvstore.eviction import Evictor, LRUEvictor
 from kvstore.keys import InvalidKeyError, check_object_name
 
@@ -47,7 +47,7 @@ class MemoryBackend(Backend):
     @classmethod
     def from_url(cls, url: str) -> MemoryBackend:
         opts = url_options(url, {"capacity"})
-        return cls(url, capacity=parse_size(opts.get("capacity")))
+        return cls(url, capacity=option_size("capacity", opts.get("capacity")))
 
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
         import time

@@ -60,7 +60,7 @@ from kvstore.backends.base import (
     redact_url,
 )
 from kvstore.backends.redis_wire import Gathered, gathering
-from kvstore.config import parse_size
+from kvstore.config import option_float, option_int, option_size
 from kvstore.keys import InvalidKeyError, check_object_name
 
 log = logging.getLogger(__name__)
@@ -128,13 +128,15 @@ def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
     passthrough: dict[str, str] = {}
     for k, v in query.items():
         if k.startswith("ttl."):
-            ttls.append((k[4:], float(v)))
-        elif k in ("ttl", "timeout", "connect_timeout"):
-            ours[k] = float(v)
+            ttls.append((k[4:], option_float(k, v, allow_zero=True)))
+        elif k == "ttl":
+            ours[k] = option_float(k, v, allow_zero=True) or None  # 0 = never expire
+        elif k in ("timeout", "connect_timeout"):
+            ours[k] = option_float(k, v)
         elif k in ("part_size", "pipeline_max"):
-            ours[k] = parse_size(v)
+            ours[k] = option_size(k, v)
         elif k in ("inflight", "max_connections"):
-            ours[k] = int(v)
+            ours[k] = option_int(k, v)
         elif k == "prefix":
             ours[k] = layout.check_prefix(v)
         elif k in _REDIS_PY_OPTIONS:

@@ -17,7 +17,7 @@ import click
 
 from kvstore.backends import Backend, open_backend
 from kvstore.backends.base import BackendUnavailableError
-from kvstore.config import parse_duration, parse_size
+from kvstore.config import option_size, parse_duration, parse_size
 
 T = TypeVar("T")
 EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
@@ -84,7 +84,7 @@ def _human(n: float) -> str:
 )
 @click.option("--delete-source", is_flag=True, help="Delete each source object after its verified write.")
 @click.option("--dry-run", is_flag=True, help="Say what would be copied; write nothing.")
-@click.option("--concurrency", default=4, show_default=True)
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-inflight", default="512MiB", show_default=True, help="Bytes held in memory at most.")
 @click.option("--no-verify-after-write", is_flag=True, help="Skip reading each object back.")
 @click.option("--fresh", is_flag=True, help="Forget what an earlier run of the same migration finished.")
@@ -118,6 +118,10 @@ def migrate(
         except (ValueError, TypeError) as exc:
             raise click.BadParameter(str(exc), param_hint="--recode") from exc
 
+    try:
+        inflight = option_size("--max-inflight", max_inflight, unbounded=False)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-inflight") from exc
     opts = MigrateOptions(
         prefix=prefix,
         namespace=namespace,
@@ -126,7 +130,7 @@ def migrate(
         delete_source=delete_source,
         dry_run=dry_run,
         concurrency=concurrency,
-        max_inflight_bytes=parse_size(max_inflight) or 512 << 20,
+        max_inflight_bytes=inflight or 512 << 20,
         verify_after_write=not no_verify_after_write,
         fresh=fresh,
     )
@@ -216,7 +220,7 @@ def stat(url: str, prefix: str, namespace: str | None, as_json: bool) -> None:
 @click.argument("url")
 @click.option("--prefix", default="")
 @click.option("--quarantine", is_flag=True, help="Move bad objects aside (disk) or delete them (others).")
-@click.option("--concurrency", default=4, show_default=True)
+@click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--json", "as_json", is_flag=True)
 def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: bool) -> None:
     """Read every object and check its frame (magic, header, length, checksum, key)."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
+from kvstore.config import option_int
 from kvstore.frame import FrameError, FrameHeader, decode_frame, read_header
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 
@@ -133,6 +134,7 @@ async def verify_store(
     progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Read and check every frame under `prefix`; with `quarantine`, move bad ones aside."""
+    option_int("concurrency", concurrency)
     objects = await list_objects(backend, prefix)
     report = VerifyReport(url=redact_url(backend.url))
     queue: asyncio.Queue[ObjectInfo] = asyncio.Queue()
@@ -158,7 +160,7 @@ async def verify_store(
             if progress:
                 progress(info.size)
 
-    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return report
 
 

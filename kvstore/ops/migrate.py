@@ -39,7 +39,7 @@ from kvstore import codec as codecs
 from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
 from kvstore.buffers import BufferPool
-from kvstore.config import kvstore_home
+from kvstore.config import kvstore_home, option_int
 from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame, read_header
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 from kvstore.tier import OFFLOAD_BYTES
@@ -63,6 +63,10 @@ class MigrateOptions:
     verify_after_write: bool = True
     journal: Path | None = None
     fresh: bool = False
+
+    def __post_init__(self) -> None:
+        option_int("concurrency", self.concurrency)
+        option_int("max_inflight_bytes", self.max_inflight_bytes)
 
     def listing_prefix(self) -> str:
         if self.namespace is not None:
@@ -340,7 +344,7 @@ async def migrate(
             tick(1, info.size)
 
     try:
-        await asyncio.gather(*(worker() for _ in range(max(1, opts.concurrency))))
+        await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
     finally:
         journal.close()
     report.seconds = time.perf_counter() - t0
