@@ -223,6 +223,8 @@ class TieredStore:
         self._pooled = [not s.tier.backend.url.startswith("mem:") for s in self.specs]
         self._declined = 0
         self._discovered = 0
+        # called with the names that left every tier (evicted or deleted)
+        self.on_gone: Callable[[list[str]], None] | None = None
 
     @classmethod
     def from_urls(
@@ -744,14 +746,30 @@ class TieredStore:
 
     # -- deletes, pins -------------------------------------------------------------------
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
-        """Remove from every tier; True where the name was held."""
+        """Remove from every tier; True where the name was held.
+
+        With ``discover``, names the engine does not know (stored by another process or
+        an earlier run) are deleted from every tier too, and count as held if a tier had them.
+        """
         existed = []
         moves: list[Move] = []
-        for name in names:
+        unknown: list[int] = []
+        for i, name in enumerate(names):
             existed.append(self.placement.where(name) is not None)
+            if self.discover and not existed[-1] and self._discoverable(name):
+                unknown.append(i)
             moves.extend(self.placement.delete(name))
             self.book.discard(name)
         await self._carry_out(moves)
+        if unknown:
+            for tier in self.tiers:
+                try:
+                    held = await tier.delete_many([names[i] for i in unknown])
+                except Exception as exc:
+                    log.warning("kvstore: delete on %s failed: %s", tier.name, exc)
+                    continue
+                for i, h in zip(unknown, held):
+                    existed[i] = existed[i] or h
         self._update_gauges()
         return existed
 
@@ -807,9 +825,16 @@ class TieredStore:
             self.metrics.op_seconds.labels("delete", self.tier_names[j]).observe(time.perf_counter() - t0)
         for m in copies:
             self._spawn(self._copy(m))
+        gone = []
         for m in moves:
             if m.kind == "drop" and self.placement.where(m.key) is None:
                 self.book.discard(m.key)  # type: ignore[arg-type]
+                gone.append(m.key)
+        if gone and self.on_gone is not None:
+            try:
+                self.on_gone(gone)  # type: ignore[arg-type]
+            except Exception:
+                log.exception("kvstore: on_gone callback failed")
 
     def _spawn(self, coro: object) -> None:
         task = asyncio.ensure_future(coro)  # type: ignore[arg-type]

@@ -1,6 +1,7 @@
 """LMCache keys and memory objects ↔ kvstore names, tensors and frame layouts.
 
-Owns: `CacheEngineKey` → `ChunkKey` → object name, the frame ``layout`` string that
+Owns: `CacheEngineKey` (in-process mode) and `ObjectKey` (MP mode) → `ChunkKey` →
+object name, the frame ``layout`` string that
 records a MemoryObj's format, and reading a frame header back into an allocation.
 Must not touch: I/O, event loops.
 """
@@ -16,6 +17,7 @@ from kvstore.keys import ChunkKey
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
+    from lmcache.v1.distributed.api import ObjectKey
     from lmcache.v1.memory_management import MemoryObj
 
 LAYOUT_PREFIX = "lmcache:"
@@ -69,3 +71,55 @@ def allocation_for(header: Any) -> tuple[torch.Size, torch.dtype, Any]:
     if dtype == torch.uint8 and len(header.shape) == 1:
         raise ValueError("multi-group KV objects are not read back by this plugin yet")
     return torch.Size(header.shape), dtype, fmt
+
+
+# ------------------------------------------------------------------ MP mode keys
+MP_FMT_PREFIX = "mp"
+
+
+def mp_chunk_key(key: ObjectKey, namespace: str) -> ChunkKey:
+    """The kvstore key of an LMCache MP-mode ``ObjectKey``.
+
+    Every field of the ObjectKey lands in the name, so different models, parallel
+    setups (``kv_rank``), object groups and cache salts (tenants) never share an object:
+    ``fmt`` = ``mp.<kv_rank hex>.<group>`` plus ``.<salt>`` when salted.  World size
+    and global rank are unpacked from ``kv_rank`` for readability of listings.
+    """
+    fmt = f"{MP_FMT_PREFIX}.{key.kv_rank:08x}.{key.object_group_id}"
+    if key.cache_salt:
+        fmt += f".{key.cache_salt}"
+    world = (key.kv_rank >> 24) & 0xFF
+    rank = (key.kv_rank >> 16) & 0xFF
+    if rank >= max(world, 1):  # not packed by ComputeKVRank: the fmt still holds it exactly
+        world, rank = 1, 0
+    return ChunkKey(
+        model=key.model_name,
+        world_size=max(world, 1),
+        worker_id=rank,
+        chunk_hash=bytes(key.chunk_hash),
+        fmt=fmt,
+        namespace=namespace,
+    )
+
+
+def mp_object_name(key: ObjectKey, namespace: str) -> str:
+    return mp_chunk_key(key, namespace).object_name()
+
+
+def mp_object_key(ck: ChunkKey) -> ObjectKey | None:
+    """The ``ObjectKey`` a name made by `mp_object_name` came from; None if not one."""
+    from lmcache.v1.distributed.api import ObjectKey
+
+    parts = ck.fmt.split(".", 3)
+    if len(parts) < 3 or parts[0] != MP_FMT_PREFIX or not isinstance(ck.chunk_hash, bytes):
+        return None
+    try:
+        return ObjectKey(
+            chunk_hash=ck.chunk_hash,
+            model_name=ck.model,
+            kv_rank=int(parts[1], 16),
+            object_group_id=int(parts[2]),
+            cache_salt=parts[3] if len(parts) == 4 else "",
+        )
+    except ValueError:
+        return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from kvstore.store_config import StoreConfig, StoreConfigError
 
 log = logging.getLogger("kvstore.plugins")
 T = TypeVar("T")
+MAX_PARENTS = 1 << 16  # prompts' chunk parents remembered between a lookup and its store
 
 
 @dataclass
@@ -124,11 +126,16 @@ class StoreRuntime:
         """A lookup of a prompt's chunk names found `hit` of them: the store that follows
         starts at ``names[hit]``, whose parent is ``names[hit - 1]``."""
         if 0 < hit < len(names):
-            with self._lock:
-                self._parents[names[hit]] = names[hit - 1]
-                self._parents.move_to_end(names[hit])
-                while len(self._parents) > 4096:
-                    self._parents.popitem(last=False)
+            self.note_chain(names[hit - 1 : hit + 1])
+
+    def note_chain(self, names: list[str]) -> None:
+        """`names` are consecutive chunks of one prompt: remember each one's parent."""
+        with self._lock:
+            for parent, name in itertools.pairwise(names):
+                self._parents[name] = parent
+                self._parents.move_to_end(name)
+            while len(self._parents) > MAX_PARENTS:
+                self._parents.popitem(last=False)
 
     def parent_of(self, name: str) -> str | None:
         """The chunk before `name` in the prompt a recent lookup saw, if known."""

@@ -1,0 +1,507 @@
+"""kvstore as an L2 adapter of LMCache's multiprocess (MP) server.
+
+Load it with::
+
+    lmcache server --l1-size-gb 20 --eviction-policy LRU \\
+      --l2-adapter '{"type": "plugin", "module_path": "plugins.l2_adapter",
+                     "class_name": "KVStoreL2Adapter",
+                     "adapter_params": {"tiers": ["file:///var/cache/kvstore?capacity=500GiB"]}}'
+
+``adapter_params`` takes the in-process plugins' kvstore settings without the
+``kvstore.`` prefix (``tiers``, ``cold_codec``, ``namespace``, ``timeout_s``,
+``policy``, ``config_file``; see `kvstore.store_config`) plus ``lock_ttl_s``.  A bad
+setting stops the server with a message naming it: the server never comes up
+silently without its cache.
+
+Owns: LMCache's L2 task protocol (task ids, completed-task tables, event fds),
+lookup locks (pins, counted per key), the deadline and the fail-fast breaker of every
+task, and the byte accounting LMCache's own L2 eviction and listing read.  Must not
+touch: storage logic (the store), LMCache's threads (every task runs on the runtime's
+own loop and signals its event fd when done).
+
+Every task ends: a tier that fails or misses the deadline completes it as a miss (or
+a failed store), never as an exception in the server.  After a deadline miss the
+breaker opens and later tasks complete at once as misses until a probe gets through.
+Loads decode straight into the MemoryObjs the server hands in (one copy), and a
+stored object whose key, checksum, shape or dtype does not match is a miss.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
+from lmcache.v1.platform import create_event_notifier
+
+from kvstore.backends.breaker import CircuitBreaker
+from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
+from plugins.keymap import mp_object_key, mp_object_name, payload_of
+from plugins.runtime import StoreRuntime, log
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.memory_management import MemoryObj
+
+ADAPTER_KEYS = ("lock_ttl_s",)
+
+
+@dataclass
+class KVStoreL2AdapterConfig(L2AdapterConfigBase):
+    """``adapter_params``, validated: kvstore's settings plus the adapter's own."""
+
+    store: StoreConfig
+    lock_ttl_s: float = 120.0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVStoreL2AdapterConfig:
+        params = dict(d)
+        for outer in ("type", "module_path", "class_name", "config_class_name"):
+            params.pop(outer, None)  # tolerated when the whole JSON is handed in
+        lock_ttl = params.pop("lock_ttl_s", 120.0)
+        try:
+            lock_ttl_s = float(lock_ttl)
+        except (TypeError, ValueError):
+            raise ValueError(f"adapter_params.lock_ttl_s: cannot read {lock_ttl!r} as seconds") from None
+        if not lock_ttl_s > 0:
+            raise ValueError("adapter_params.lock_ttl_s must be > 0 seconds")
+        unknown = sorted(k for k in params if k not in KEYS)
+        if unknown:
+            raise ValueError(
+                f"adapter_params key(s) {unknown} unknown; known: {', '.join((*KEYS, *ADAPTER_KEYS))}"
+            )
+        try:
+            store = StoreConfig.from_mapping(params, prefix="")
+        except StoreConfigError as exc:
+            raise ValueError(f"kvstore adapter_params: {exc}") from None
+        return cls(store=store, lock_ttl_s=lock_ttl_s)
+
+    @classmethod
+    def help(cls) -> str:
+        return (
+            "kvstore L2 adapter (adapter_params):\n"
+            "- tiers (list of URLs, hottest first; required in practice): e.g.\n"
+            '  ["mem://hot?capacity=4GiB", "file:///var/cache/kvstore?capacity=500GiB"]\n'
+            "- cold_codec (str): codec of the last tier, e.g. cachegen?profile=smollm2-135m\n"
+            "- namespace (str), timeout_s (float, per task deadline), policy (chain|lru|...)\n"
+            "- config_file (path): JSON/TOML with the same keys\n"
+            "- lock_ttl_s (float): how long a lookup lock protects an object at most"
+        )
+
+
+@dataclass
+class L2Counters:
+    lookups: int = 0
+    lookup_hits: int = 0
+    loads: int = 0
+    load_hits: int = 0
+    stores: int = 0
+    stores_failed: int = 0
+    timeouts: int = 0
+    errors: int = 0
+    refused: int = 0  # tasks completed at once while the breaker was open
+
+
+class KVStoreL2Adapter(L2AdapterInterface):
+    """LMCache's ``L2AdapterInterface`` over a kvstore `TieredStore`."""
+
+    def __init__(self, config: KVStoreL2AdapterConfig | dict, l1_memory_desc: Any = None) -> None:
+        if not isinstance(config, KVStoreL2AdapterConfig):
+            config = KVStoreL2AdapterConfig.from_dict(dict(config))
+        self.config = config
+        cfg = config.store
+        capacity = _last_tier_capacity(cfg)
+        super().__init__(max_capacity_bytes=capacity)
+        self.counters = L2Counters()
+        self.breaker = CircuitBreaker(failure_threshold=1, reset_after=1.0, max_reset_after=30.0)
+        self._ns = cfg.namespace
+        self._lock = threading.Lock()
+        self._next_id: L2TaskId = 0
+        self._done_stores: dict[L2TaskId, L2StoreResult] = {}
+        self._done_lookups: dict[L2TaskId, Bitmap] = {}
+        self._done_loads: dict[L2TaskId, Bitmap] = {}
+        self._locks: Counter[str] = Counter()
+        self._sizes: dict[str, int] = {}  # names this adapter knows are stored -> bytes
+        self._keys: dict[str, ObjectKey] = {}
+        self._store_efd = create_event_notifier()
+        self._lookup_efd = create_event_notifier()
+        self._load_efd = create_event_notifier()
+        self.runtime = StoreRuntime(cfg, name="kvstore-l2")
+        self.runtime.store.on_gone = self._gone
+        self._closed = False
+        self.runtime.submit(self._adopt_existing())
+        log.info("kvstore L2 adapter ready: %s", cfg.describe())
+
+    # ---------------------------------------------------------------- event fds
+    def get_store_event_fd(self) -> int:
+        return self._store_efd.fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_efd.fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self._load_efd.fileno()
+
+    # ------------------------------------------------------------------- tasks
+    def _new_id(self) -> L2TaskId:
+        with self._lock:
+            tid = self._next_id
+            self._next_id += 1
+            return tid
+
+    def _names(self, keys: Sequence[ObjectKey]) -> list[str | None]:
+        out: list[str | None] = []
+        for key in keys:
+            try:
+                name = mp_object_name(key, self._ns)
+            except (InvalidKeyError, ValueError) as exc:
+                log.warning("kvstore: key %s cannot be stored (%s); treated as a miss", key, exc)
+                name = None
+            out.append(name)
+        return out
+
+    async def _bounded(self, coro: Coroutine[Any, Any, Any], timeout: float, what: str) -> Any:
+        """Run `coro` under `timeout`; None on timeout or error (counted, breaker told)."""
+        try:
+            result = await asyncio.wait_for(coro, timeout=timeout)
+        except asyncio.TimeoutError:
+            self.counters.timeouts += 1
+            self.breaker.record(False)
+            log.warning(
+                "kvstore L2: %s took longer than %.1fs; served as a miss, failing fast until a tier answers",
+                what,
+                timeout,
+            )
+            return None
+        except Exception as exc:
+            self.counters.errors += 1
+            self.breaker.record(False)
+            log.warning("kvstore L2: %s failed (%s); served as a miss", what, exc)
+            return None
+        self.breaker.record(True)
+        return result
+
+    def _admit(self, coro: Coroutine[Any, Any, Any]) -> bool:
+        """May this task reach the tiers?  If not, `coro` is closed unrun."""
+        if self._closed or not self.breaker.allow():
+            self.counters.refused += 1
+            coro.close()
+            return False
+        return True
+
+    # --------------------------------------------------------------------- store
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        tid = self._new_id()
+        coro = self._store(keys, objects)
+        if self._admit(coro):
+            self.runtime.submit(self._finish_store(tid, coro, len(keys)))
+        else:
+            self._complete_store(tid, L2StoreResult(False, 0))
+        return tid
+
+    async def _finish_store(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], n: int) -> None:
+        # writes may move tens of MiB per chunk: a longer deadline than reads
+        deadline = max(30.0, 6 * self.config.store.timeout_s)
+        written = await self._bounded(coro, deadline, f"store of {n} chunk(s)")
+        if written is None:
+            self.counters.stores_failed += n
+            self._complete_store(tid, L2StoreResult(False, 0))
+        else:
+            ok, nbytes = written
+            self._complete_store(tid, L2StoreResult(ok, nbytes))
+
+    def _complete_store(self, tid: L2TaskId, result: L2StoreResult) -> None:
+        with self._lock:
+            self._done_stores[tid] = result
+        self._store_efd.notify()
+
+    async def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> tuple[bool, int]:
+        """Write consecutive chunk runs, each with its parent when a lookup told it."""
+        names = self._names(keys)
+        items = [(i, n) for i, n in enumerate(names) if n is not None]
+        all_ok = len(items) == len(names)
+        parents = {n: self.runtime.parent_of(n) for _, n in items}
+        runs: list[list[int]] = []
+        for k, (i, name) in enumerate(items):
+            if runs and k and parents[name] == items[k - 1][1]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        new_keys: list[ObjectKey] = []
+        new_sizes: list[int] = []
+        nbytes = 0
+        for run in runs:
+            first = names[run[0]]
+            assert first is not None
+            payloads = [payload_of(objects[i]) for i in run]
+            layouts = {layout for _, layout in payloads}
+            res = await self.runtime.store.put_many(
+                [(names[i], t) for i, (t, _) in zip(run, payloads)],  # type: ignore[misc]
+                chained=len(run) > 1 or parents[first] is not None,
+                parent=parents[first],
+                layout=layouts.pop() if len(layouts) == 1 else payloads[0][1],
+            )
+            for i, ok in zip(run, res):
+                name = names[i]
+                assert name is not None
+                if not ok:
+                    all_ok = False
+                    continue
+                size = objects[i].get_size()
+                nbytes += size
+                with self._lock:
+                    fresh = name not in self._sizes
+                    self._sizes[name] = size
+                    self._keys[name] = keys[i]
+                if fresh:
+                    new_keys.append(keys[i])
+                    new_sizes.append(size)
+        self.counters.stores += len(keys)
+        if new_keys:
+            self._notify_keys_stored(new_keys, new_sizes)
+        return all_ok, nbytes
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._done_stores = self._done_stores, {}
+        return done
+
+    # --------------------------------------------------------- lookup and lock
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
+        tid = self._new_id()
+        names = self._names(keys)
+        self._note_chains(keys, names)
+        coro = self._lookup(names)
+        if self._admit(coro):
+            self.runtime.submit(self._finish_lookup(tid, coro, len(keys)))
+        else:
+            self._complete_lookup(tid, Bitmap(len(keys)))
+        return tid
+
+    def _note_chains(self, keys: list[ObjectKey], names: list[str | None]) -> None:
+        """A lookup lists a prompt's chunks in order (per object group): remember parents."""
+        run: list[str] = []
+        prev: ObjectKey | None = None
+        for key, name in zip(keys, names):
+            same = prev is not None and (
+                key.model_name,
+                key.kv_rank,
+                key.object_group_id,
+                key.cache_salt,
+            ) == (prev.model_name, prev.kv_rank, prev.object_group_id, prev.cache_salt)
+            if name is None or not same:
+                if len(run) > 1:
+                    self.runtime.note_chain(run)
+                run = []
+            if name is not None:
+                run.append(name)
+            prev = key
+        if len(run) > 1:
+            self.runtime.note_chain(run)
+
+    async def _lookup(self, names: list[str | None]) -> list[bool]:
+        asked = [n for n in names if n is not None]
+        found = iter(await self.runtime.store.contains_many(asked))
+        hits = [n is not None and next(found) for n in names]
+        held = [n for n, h in zip(names, hits) if h and n is not None]
+        if held:
+            with self._lock:
+                for n in held:
+                    self._locks[n] += 1
+            self.runtime.store.pin(held, ttl=self.config.lock_ttl_s)
+        return hits
+
+    async def _finish_lookup(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], n: int) -> None:
+        hits = await self._bounded(coro, self.config.store.timeout_s, f"lookup of {n} chunk(s)")
+        bitmap = Bitmap(n)
+        for i, hit in enumerate(hits or ()):
+            if hit:
+                bitmap.set(i)
+        self.counters.lookups += n
+        self.counters.lookup_hits += bitmap.popcount()
+        self._complete_lookup(tid, bitmap)
+
+    def _complete_lookup(self, tid: L2TaskId, bitmap: Bitmap) -> None:
+        with self._lock:
+            self._done_lookups[tid] = bitmap
+        self._lookup_efd.notify()
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_lookups.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        """Release one lookup lock per key; the last release unpins (never fails)."""
+        free: list[str] = []
+        with self._lock:
+            for name in self._names(keys):
+                if name is None or self._locks[name] <= 0:
+                    continue
+                self._locks[name] -= 1
+                if self._locks[name] == 0:
+                    del self._locks[name]
+                    free.append(name)
+        if free and not self._closed:
+            self.runtime.loop.call_soon_threadsafe(self.runtime.store.unpin, free)
+
+    # ---------------------------------------------------------------------- load
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        tid = self._new_id()
+        coro = self._load(self._names(keys), objects)
+        if self._admit(coro):
+            self.runtime.submit(self._finish_load(tid, coro, keys))
+        else:
+            self._complete_load(tid, Bitmap(len(keys)))
+        return tid
+
+    async def _load(self, names: list[str | None], objects: list[MemoryObj]) -> list[bool]:
+        idx = [i for i, n in enumerate(names) if n is not None]
+        outs = [payload_of(objects[i])[0] for i in idx]
+        got = await self.runtime.store.get_many([names[i] for i in idx], out=outs)  # type: ignore[misc]
+        hits = [False] * len(names)
+        for i, t in zip(idx, got):
+            hits[i] = t is not None
+        return hits
+
+    async def _finish_load(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], keys: list[ObjectKey]) -> None:
+        # a cancelled read returns only once nothing writes into the MemoryObjs any more
+        hits = await self._bounded(coro, self.config.store.timeout_s, f"load of {len(keys)} chunk(s)")
+        bitmap = Bitmap(len(keys))
+        for i, hit in enumerate(hits or ()):
+            if hit:
+                bitmap.set(i)
+        self.counters.loads += len(keys)
+        self.counters.load_hits += bitmap.popcount()
+        accessed = [k for i, k in enumerate(keys) if bitmap.test(i)]
+        if accessed:
+            self._notify_keys_accessed(accessed)
+        self._complete_load(tid, bitmap)
+
+    def _complete_load(self, tid: L2TaskId, bitmap: Bitmap) -> None:
+        with self._lock:
+            self._done_loads[tid] = bitmap
+        self._load_efd.notify()
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._done_loads.pop(task_id, None)
+
+    # ------------------------------------------------------- delete, list, usage
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Delete from every tier (LMCache's L2 eviction and admin tools call this)."""
+        pairs = [(k, n) for k, n in zip(keys, self._names(keys)) if n is not None]
+        if not pairs or self._closed:
+            return
+        names = [n for _, n in pairs]
+        self.runtime.call(self.runtime.store.delete_many(names), [False] * len(names), "delete")
+        self._gone(names)
+
+    def _gone(self, names: list[str]) -> None:
+        """Names that left every tier (deleted, or evicted by kvstore's own policy)."""
+        keys: list[ObjectKey] = []
+        sizes: list[int] = []
+        with self._lock:
+            for name in names:
+                size = self._sizes.pop(name, None)
+                key = self._keys.pop(name, None)
+                if size is not None and key is not None:
+                    keys.append(key)
+                    sizes.append(size)
+        if keys:
+            self._notify_keys_deleted(keys, sizes)
+
+    async def _adopt_existing(self) -> None:
+        """Count what earlier runs left in the last (persistent) tier, so usage, listing
+        and LMCache's L2 eviction see it.  Runs in the background after start."""
+        tier = self.runtime.store.tiers[-1]
+        keys: list[ObjectKey] = []
+        sizes: list[int] = []
+        try:
+            async for info in tier.backend.list(namespace_prefix(self._ns)):
+                try:
+                    key = mp_object_key(ChunkKey.from_object_name(info.name))
+                except InvalidKeyError:
+                    key = None
+                if key is None:
+                    continue
+                with self._lock:
+                    if info.name in self._sizes:
+                        continue
+                    self._sizes[info.name] = info.size
+                    self._keys[info.name] = key
+                keys.append(key)
+                sizes.append(info.size)
+        except Exception as exc:
+            log.warning("kvstore L2: listing %s at start failed (%s); usage counts new objects only", tier.name, exc)
+        if keys:
+            self._notify_keys_stored(keys, sizes)
+            log.info("kvstore L2: found %d objects (%d bytes) from earlier runs", len(keys), sum(sizes))
+
+    def list_l2_keys(
+        self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None
+    ) -> KeyListPage:
+        from lmcache.v1.distributed.api import KeyEntry, KeyListPage
+
+        if page_size <= 0:
+            raise ValueError("page_size must be positive")
+        with self._lock:
+            rows = sorted(
+                (n, k, self._sizes[n])
+                for n, k in self._keys.items()
+                if model_name is None or k.model_name == model_name
+            )
+        start = 0
+        if cursor is not None:
+            import bisect
+
+            start = bisect.bisect_right([r[0] for r in rows], cursor)
+        page = rows[start : start + page_size]
+        entries = tuple(KeyEntry(key=k.to_encoded_object_key(), size_bytes=s) for _, k, s in page)
+        more = start + page_size < len(rows)
+        return KeyListPage(entries=entries, next_page_token=page[-1][0] if more and page else None)
+
+    def report_status(self) -> dict:
+        from dataclasses import asdict
+
+        return {
+            "is_healthy": not self._closed and self.breaker.state.value == "closed",
+            "type": "KVStoreL2Adapter",
+            "breaker": self.breaker.state.value,
+            "config": self.config.store.describe(),
+            "counters": asdict(self.counters),
+            "locked": len(self._locks),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        return {"adapter": self.report_status(), **self.runtime.stats()}
+
+    # --------------------------------------------------------------------- close
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.runtime.close()
+        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+            efd.close()
+
+
+def _last_tier_capacity(cfg: StoreConfig) -> int:
+    """The byte budget of the last tier (it holds every chunk), or 0 if it has none."""
+    from kvstore.config import parse_size
+    from kvstore.tiered import split_store_options
+
+    _, opts = split_store_options(cfg.tiers[-1].url)
+    return parse_size(opts.get("capacity")) or 0
+
+
+__all__ = ["KVStoreL2Adapter", "KVStoreL2AdapterConfig"]

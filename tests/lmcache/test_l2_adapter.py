@@ -1,0 +1,239 @@
+"""kvstore's MP-mode L2 adapter, driven the way LMCache's store and prefetch controllers
+drive it: submit a task, wait on its event fd, pop the result.
+
+LMCache's own conformance check runs against it too (``basic_check --mode
+test_l2_adapter``).  The adapter in a real ``lmcache server`` process is tested in
+test_l2_server.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+
+from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
+from lmcache.v1.platform import consume_fd  # noqa: E402
+
+from plugins.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig  # noqa: E402
+
+SHAPE = (2, 2, 16, 32)  # [kv, layers, tokens, heads*dim]
+
+
+def okey(i: int, *, model="m/x", kv_rank=0, group=0, salt="") -> ObjectKey:
+    return ObjectKey(
+        chunk_hash=i.to_bytes(32, "big"), model_name=model, kv_rank=kv_rank, object_group_id=group, cache_salt=salt
+    )
+
+
+def mobj(t: torch.Tensor) -> TensorMemoryObj:
+    meta = MemoryObjMetadata(
+        shape=t.shape, dtype=t.dtype, address=t.data_ptr(), phy_size=t.nbytes, fmt=MemoryFormat.KV_2LTD, ref_count=1
+    )
+    return TensorMemoryObj(t, meta, parent_allocator=None)
+
+
+def wait(fd: int, timeout_s: float = 30.0) -> None:
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    assert p.poll(int(timeout_s * 1000)), "task did not complete"
+    try:
+        consume_fd(fd)
+    except BlockingIOError:
+        pass
+
+
+def store(ad: KVStoreL2Adapter, keys, tensors) -> bool:
+    tid = ad.submit_store_task(keys, [mobj(t) for t in tensors])
+    while True:
+        done = ad.pop_completed_store_tasks()
+        if tid in done:
+            return done[tid].is_successful()
+        wait(ad.get_store_event_fd())
+
+
+def lookup(ad: KVStoreL2Adapter, keys) -> list[bool]:
+    tid = ad.submit_lookup_and_lock_task(keys, {})
+    while (bm := ad.query_lookup_and_lock_result(tid)) is None:
+        wait(ad.get_lookup_and_lock_event_fd())
+    return [bm.test(i) for i in range(len(keys))]
+
+
+def load(ad: KVStoreL2Adapter, keys, shape=SHAPE, dtype=torch.bfloat16):
+    outs = [torch.zeros(shape, dtype=dtype) for _ in keys]
+    tid = ad.submit_load_task(keys, [mobj(t) for t in outs])
+    while (bm := ad.query_load_result(tid)) is None:
+        wait(ad.get_load_event_fd())
+    return [outs[i] if bm.test(i) else None for i in range(len(keys))]
+
+
+def kv(seed: int) -> torch.Tensor:
+    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.fixture
+def make_adapter(tmp_path):
+    made = []
+
+    def make(tiers=None, **params):
+        params.setdefault("tiers", tiers or [f"file://{tmp_path}/disk"])
+        ad = KVStoreL2Adapter(KVStoreL2AdapterConfig.from_dict(params))
+        made.append(ad)
+        return ad
+
+    yield make
+    for ad in made:
+        ad.close()
+
+
+def test_store_lookup_load_bytes_equal(make_adapter, tmp_path):
+    ad = make_adapter([f"mem://l2-{tmp_path.name}?capacity=64MiB", f"file://{tmp_path}/disk"])
+    keys = [okey(i) for i in range(4)]
+    tensors = [kv(i) for i in range(4)]
+    assert lookup(ad, keys) == [False] * 4
+    assert store(ad, keys, tensors)
+    assert lookup(ad, keys) == [True] * 4
+    got = load(ad, keys)
+    for t, g in zip(tensors, got):
+        assert g is not None and torch.equal(t, g)
+    ad.submit_unlock(keys)
+    ad.submit_unlock(keys)  # one lookup lock each was taken above; extra unlocks are harmless
+    usage = ad.get_usage()
+    assert usage.total_bytes_used == sum(t.nbytes for t in tensors)
+
+
+def test_models_ranks_groups_and_salts_never_collide(make_adapter):
+    ad = make_adapter()
+    variants = [
+        okey(7),
+        okey(7, model="other/model"),
+        okey(7, kv_rank=(2 << 24) | (1 << 16) | (2 << 8) | 1),
+        okey(7, group=1),
+        okey(7, salt="tenant-a"),
+        okey(7, salt="t" * 128),  # longest salt LMCache allows
+    ]
+    tensors = [kv(100 + i) for i in range(len(variants))]
+    assert store(ad, variants, tensors)
+    got = load(ad, variants)
+    for t, g in zip(tensors, got):
+        assert g is not None and torch.equal(t, g)
+    assert lookup(ad, [okey(7, salt="tenant-b")]) == [False]
+
+
+def test_restart_finds_what_was_stored_and_lists_it(make_adapter, tmp_path):
+    keys = [okey(i, salt="s1") for i in range(3)]
+    tensors = [kv(i) for i in range(3)]
+    first = make_adapter()
+    assert store(first, keys, tensors)
+    first.close()
+    second = make_adapter()
+    assert lookup(second, keys) == [True] * 3
+    assert all(torch.equal(t, g) for t, g in zip(tensors, load(second, keys)))
+    deadline = time.time() + 10
+    while second.get_usage().total_bytes_used < sum(t.nbytes for t in tensors) and time.time() < deadline:
+        time.sleep(0.05)  # the start-up listing runs in the background
+    page = second.list_l2_keys(model_name="m/x", page_size=2)
+    assert len(page.entries) == 2 and page.next_page_token is not None
+    rest = second.list_l2_keys(model_name="m/x", page_size=2, cursor=page.next_page_token)
+    listed = {e.key.to_object_key() for e in (*page.entries, *rest.entries)}
+    assert listed == set(keys) and rest.next_page_token is None
+    by_salt = second.get_usage().bytes_by_cache_salt
+    assert set(by_salt) == {"s1"} and by_salt["s1"] >= sum(t.nbytes for t in tensors)  # stored frames
+
+
+def test_wrong_shape_is_a_miss_not_wrong_data(make_adapter):
+    ad = make_adapter()
+    assert store(ad, [okey(1)], [kv(1)])
+    (got,) = load(ad, [okey(1)], shape=(2, 2, 16, 16))  # same key, another model geometry
+    assert got is None
+    (got,) = load(ad, [okey(1)], dtype=torch.float16)
+    assert got is None
+    (got,) = load(ad, [okey(1)])
+    assert got is not None
+
+
+def test_swapped_object_files_are_misses(make_adapter, tmp_path):
+    ad = make_adapter()
+    a, b = okey(1), okey(2)
+    assert store(ad, [a, b], [kv(1), kv(2)])
+    ad.close()
+    files = sorted(p for p in (tmp_path / "disk").rglob("*") if p.is_file() and "quarantine" not in str(p))
+    assert len(files) == 2
+    tmp = files[0].with_suffix(".swap")
+    files[0].rename(tmp)
+    files[1].rename(files[0])
+    tmp.rename(files[1])
+    ad2 = make_adapter()
+    assert load(ad2, [a, b]) == [None, None]
+
+
+def test_delete_removes_from_every_tier_and_usage(make_adapter, tmp_path):
+    ad = make_adapter([f"mem://del-{tmp_path.name}", f"file://{tmp_path}/disk"])
+    keys = [okey(i) for i in range(3)]
+    assert store(ad, keys, [kv(i) for i in range(3)])
+    ad.delete(keys[:2])
+    assert lookup(ad, keys) == [False, False, True]
+    assert ad.get_usage().total_bytes_used == kv(0).nbytes
+    ad.close()
+    again = make_adapter()
+    assert lookup(again, keys) == [False, False, True]
+
+
+def test_lookup_order_gives_store_its_parents(make_adapter):
+    ad = make_adapter()
+    keys = [okey(i) for i in range(4)]
+    assert lookup(ad, keys) == [False] * 4
+    names = ad._names(keys)
+    assert [ad.runtime.parent_of(n) for n in names[1:]] == names[:-1]
+
+
+@pytest.mark.parametrize(
+    "params, words",
+    [
+        ({"tiers": ["nope://x"]}, "tiers[0]"),
+        ({"tiers": ["mem://a"], "timeout": 3}, "timeout"),
+        ({"tiers": ["mem://a"], "timeout_s": "soon"}, "timeout_s"),
+        ({"tiers": ["mem://a"], "policy": "fifo"}, "policy"),
+        ({"tiers": ["mem://a"], "lock_ttl_s": 0}, "lock_ttl_s"),
+    ],
+)
+def test_bad_settings_name_the_setting(params, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        KVStoreL2AdapterConfig.from_dict(params)
+
+
+def test_lmcache_conformance_check(tmp_path):
+    spec = {
+        "type": "plugin",
+        "module_path": "plugins.l2_adapter",
+        "class_name": "KVStoreL2Adapter",
+        "adapter_params": {"tiers": ["mem://bc?capacity=64MiB", f"file://{tmp_path}/disk"]},
+    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVSTORE_"))}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter", "--l2-adapter", json.dumps(spec)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Test Failed" not in out, out
+    assert "5/5 correctly absent" in out and "5/5 found" in out, out
+    assert "Validation (loaded): 5/5" in out and "Validation (content): 5/5" in out, out
