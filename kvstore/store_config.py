@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kvstore.config import kvstore_home, option_float, option_size
+from kvstore.config import kvstore_home, option_float, option_size, redact_url
 from kvstore.policy import DEFAULT_POLICY, ONLINE_POLICIES
 
 PREFIX = "kvstore."
@@ -64,11 +64,7 @@ class TierConfig:
     codec: str = "raw"
 
     def redacted(self) -> str:
-        parts = urlsplit(self.url)
-        if parts.password:
-            netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-            return parts._replace(netloc=netloc).geturl()
-        return self.url
+        return redact_url(self.url)
 
 
 def default_tiers(home: Path | None = None) -> tuple[TierConfig, ...]:

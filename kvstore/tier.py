@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvstore import codec as codecs
 from kvstore.backends import Alloc, Backend, open_backend
+from kvstore.backends.base import redact_url
 from kvstore.codec.base import CodecUnavailableError
 from kvstore.frame import Frame, FrameError, decode_frame
 
@@ -47,7 +48,7 @@ class Tier:
     def __init__(self, backend: Backend, codec: str | codecs.Codec = "raw", *, name: str = "") -> None:
         self.backend = backend
         self.codec = codecs.get(codec) if isinstance(codec, str) else codec
-        self.name = name or backend.url
+        self.name = name or redact_url(backend.url)
         self.counters = TierCounters()
         self._decoders: dict[str, codecs.Codec] = {self.codec.name: self.codec}
 

@@ -11,6 +11,7 @@ import importlib
 from urllib.parse import urlsplit
 
 from kvstore.backends.base import Alloc, Backend, BackendStats, ObjectInfo, Value
+from kvstore.config import redact_url
 
 __all__ = ["Alloc", "Backend", "BackendStats", "ObjectInfo", "Value", "open_backend", "register"]
 
@@ -42,14 +43,14 @@ def backend_class(url: str) -> type[Backend]:
     scheme = urlsplit(url).scheme.lower()
     if not scheme:
         raise ValueError(
-            f"{url!r} has no scheme; use mem://NAME, file:///PATH, redis://HOST:PORT or s3://BUCKET/PREFIX"
+            f"{redact_url(url)!r} has no scheme; use mem://NAME, file:///PATH, redis://HOST:PORT or s3://BUCKET/PREFIX"
         )
     if scheme in _REGISTERED:
         return _REGISTERED[scheme]
     target = _BUILTIN.get(scheme)
     if target is None:
         known = ", ".join(sorted({*_BUILTIN, *_REGISTERED}))
-        raise ValueError(f"unknown backend scheme {scheme!r} in {url!r}; known: {known}")
+        raise ValueError(f"unknown backend scheme {scheme!r} in {redact_url(url)!r}; known: {known}")
     module, _, name = target.partition(":")
     try:
         mod = importlib.import_module(module)

@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Union
 
+from kvstore.config import redact_url
+
 Buffer = Union[bytes, bytearray, memoryview]
 Value = Union[Buffer, Sequence[Buffer]]
 Alloc = Callable[[int], memoryview]
@@ -165,20 +167,3 @@ class Backend(abc.ABC):
 
     async def get(self, name: str, alloc: Alloc | None = None) -> memoryview | None:
         return (await self.get_many([name], alloc))[0]
-
-
-def redact_url(url: str) -> str:
-    """The URL with any password or secret query value replaced by ``***``."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        creds, host = netloc.rsplit("@", 1)
-        user = creds.split(":", 1)[0]
-        netloc = f"{user}:***@{host}" if ":" in creds else f"{user}@{host}"
-    secret = ("password", "secret", "token", "key")
-    query = urlencode(
-        [(k, "***" if any(s in k.lower() for s in secret) else v) for k, v in parse_qsl(parts.query)]
-    )
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

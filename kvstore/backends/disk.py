@@ -225,10 +225,10 @@ class DiskBackend(Backend):
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise ValueError(
-                f"{url!r}: file URLs name a local path: file:///abs/path or file://localhost/abs/path"
+                f"{redact_url(url)!r}: file URLs name a local path: file:///abs/path or file://localhost/abs/path"
             )
         if not parts.path:
-            raise ValueError(f"{url!r} has no path; write file:///var/cache/kvstore")
+            raise ValueError(f"{redact_url(url)!r} has no path; write file:///var/cache/kvstore")
         opts = url_options(url, {"capacity", "fsync", "concurrency"})
         return cls(
             unquote(parts.path),

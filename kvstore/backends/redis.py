@@ -179,7 +179,7 @@ class RedisBackend(Backend):
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in cls.schemes:
-            raise ValueError(f"{url!r}: RedisBackend serves {', '.join(cls.schemes)}")
+            raise ValueError(f"{redact_url(url)!r}: RedisBackend serves {', '.join(cls.schemes)}")
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         options, passthrough = parse_options(query)
         if ttl_by_namespace:

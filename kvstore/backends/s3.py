@@ -49,6 +49,7 @@ from kvstore.backends.base import (
 from kvstore.backends.breaker import CircuitBreaker
 from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_parts
 from kvstore.backends.s3_options import S3Options
+from kvstore.config import redact_text
 from kvstore.keys import InvalidKeyError, check_object_name
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def error_kind(exc: BaseException) -> str:
 
 def explain_open_error(exc: BaseException, options: S3Options) -> str:
     """What went wrong opening the bucket, and what to do about it."""
-    where = options.endpoint_url or "AWS S3"
+    where = redact_url(options.endpoint_url) if options.endpoint_url else "AWS S3"
     bucket = options.bucket
     kind = error_kind(exc)
     code, status = error_code(exc)
@@ -133,10 +134,10 @@ def explain_open_error(exc: BaseException, options: S3Options) -> str:
         )
     if kind in ("connection", "timeout"):
         return (
-            f"cannot reach {where} ({type(exc).__name__}: {exc}); check endpoint_url= in the URL "
+            f"cannot reach {where} ({type(exc).__name__}: {redact_text(str(exc))}); check endpoint_url= in the URL "
             "and that the server is running"
         )
-    return f"cannot use bucket {bucket!r} at {where}: {type(exc).__name__}: {exc}"
+    return f"cannot use bucket {bucket!r} at {where}: {type(exc).__name__}: {redact_text(str(exc))}"
 
 
 class S3Backend(Backend):

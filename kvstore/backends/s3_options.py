@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from kvstore.config import parse_size, url_options
+from kvstore.config import parse_size, redact_url, url_options
 
 _CHECKSUM = ("when_required", "when_supported")
 _RETRY = ("standard", "adaptive", "legacy")
@@ -78,11 +78,11 @@ class S3Options:
     def from_url(cls, url: str) -> S3Options:
         parts = urlsplit(url)
         if parts.scheme.lower() != "s3":
-            raise ValueError(f"{url!r} is not an s3:// URL")
+            raise ValueError(f"{redact_url(url)!r} is not an s3:// URL")
         bucket = parts.netloc
         if not bucket or "@" in bucket or ":" in bucket:
             raise ValueError(
-                f"{url!r}: write s3://BUCKET/PREFIX?endpoint_url=...; credentials come from the "
+                f"{redact_url(url)!r}: write s3://BUCKET/PREFIX?endpoint_url=...; credentials come from the "
                 "AWS environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...), never from the URL"
             )
         prefix = unquote(parts.path).strip("/")
@@ -91,16 +91,18 @@ class S3Options:
         def choice(name: str, allowed: tuple[str, ...]) -> str:
             value = opts[name].strip().lower()
             if value not in allowed:
-                raise ValueError(f"{name}={opts[name]!r} in {url!r}; use one of {', '.join(allowed)}")
+                raise ValueError(
+                    f"{name}={opts[name]!r} in {redact_url(url)!r}; use one of {', '.join(allowed)}"
+                )
             return value
 
         def positive(name: str, conv):
             try:
                 value = conv(opts[name])
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"{name}={opts[name]!r} in {url!r} is not a number") from exc
+                raise ValueError(f"{name}={opts[name]!r} in {redact_url(url)!r} is not a number") from exc
             if value is None or value <= 0:
-                raise ValueError(f"{name} must be positive in {url!r}")
+                raise ValueError(f"{name} must be positive in {redact_url(url)!r}")
             return value
 
         kw: dict[str, object] = {}

@@ -17,7 +17,7 @@ import click
 
 from kvstore.backends import Backend, open_backend
 from kvstore.backends.base import BackendUnavailableError
-from kvstore.config import option_size, parse_duration, parse_size
+from kvstore.config import option_size, parse_duration, parse_size, redact_text
 
 T = TypeVar("T")
 EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
@@ -27,7 +27,7 @@ def _open(url: str, what: str) -> Backend:
     try:
         return open_backend(url)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint=what) from exc
+        raise click.BadParameter(redact_text(str(exc)), param_hint=what) from exc
 
 
 def _run(main: Callable[..., Awaitable[T]], *urls: tuple[str, str]) -> T:
@@ -46,7 +46,7 @@ def _run(main: Callable[..., Awaitable[T]], *urls: tuple[str, str]) -> T:
     try:
         return asyncio.run(go())
     except BackendUnavailableError as exc:
-        click.echo(f"Error: {exc}", err=True)
+        click.echo(f"Error: {redact_text(str(exc))}", err=True)
         sys.exit(EXIT_UNAVAILABLE)
 
 
@@ -116,7 +116,7 @@ def migrate(
         try:
             codecs.get(recode)
         except (ValueError, TypeError) as exc:
-            raise click.BadParameter(str(exc), param_hint="--recode") from exc
+            raise click.BadParameter(redact_text(str(exc)), param_hint="--recode") from exc
 
     try:
         inflight = option_size("--max-inflight", max_inflight, unbounded=False)
@@ -150,7 +150,7 @@ def migrate(
     try:
         report = _run(main, (src_url, "SRC_URL"), (dst_url, "DST_URL"))
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from exc
+        raise click.UsageError(redact_text(str(exc))) from exc
     if as_json:
         click.echo(json.dumps(report.to_dict()))
     else:
