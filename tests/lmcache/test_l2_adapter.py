@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import subprocess
 import sys
 import time
@@ -25,59 +24,29 @@ ROOT = Path(__file__).resolve().parents[2]
 pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
 
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
-from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj  # noqa: E402
-from lmcache.v1.platform import consume_fd  # noqa: E402
 
 from plugins.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig  # noqa: E402
+from plugins.l2_sync import SyncL2, object_key  # noqa: E402
 
 SHAPE = (2, 2, 16, 32)  # [kv, layers, tokens, heads*dim]
 
 
 def okey(i: int, *, model="m/x", kv_rank=0, group=0, salt="") -> ObjectKey:
-    return ObjectKey(
-        chunk_hash=i.to_bytes(32, "big"), model_name=model, kv_rank=kv_rank, object_group_id=group, cache_salt=salt
-    )
-
-
-def mobj(t: torch.Tensor) -> TensorMemoryObj:
-    meta = MemoryObjMetadata(
-        shape=t.shape, dtype=t.dtype, address=t.data_ptr(), phy_size=t.nbytes, fmt=MemoryFormat.KV_2LTD, ref_count=1
-    )
-    return TensorMemoryObj(t, meta, parent_allocator=None)
-
-
-def wait(fd: int, timeout_s: float = 30.0) -> None:
-    p = select.poll()
-    p.register(fd, select.POLLIN)
-    assert p.poll(int(timeout_s * 1000)), "task did not complete"
-    try:
-        consume_fd(fd)
-    except BlockingIOError:
-        pass
+    return object_key(i, model=model, kv_rank=kv_rank, object_group_id=group, cache_salt=salt)
 
 
 def store(ad: KVStoreL2Adapter, keys, tensors) -> bool:
-    tid = ad.submit_store_task(keys, [mobj(t) for t in tensors])
-    while True:
-        done = ad.pop_completed_store_tasks()
-        if tid in done:
-            return done[tid].is_successful()
-        wait(ad.get_store_event_fd())
+    return SyncL2(ad).store(keys, tensors)
 
 
 def lookup(ad: KVStoreL2Adapter, keys) -> list[bool]:
-    tid = ad.submit_lookup_and_lock_task(keys, {})
-    while (bm := ad.query_lookup_and_lock_result(tid)) is None:
-        wait(ad.get_lookup_and_lock_event_fd())
-    return [bm.test(i) for i in range(len(keys))]
+    return SyncL2(ad).lookup(keys)
 
 
 def load(ad: KVStoreL2Adapter, keys, shape=SHAPE, dtype=torch.bfloat16):
     outs = [torch.zeros(shape, dtype=dtype) for _ in keys]
-    tid = ad.submit_load_task(keys, [mobj(t) for t in outs])
-    while (bm := ad.query_load_result(tid)) is None:
-        wait(ad.get_load_event_fd())
-    return [outs[i] if bm.test(i) else None for i in range(len(keys))]
+    hits = SyncL2(ad).load(keys, outs)
+    return [t if hit else None for t, hit in zip(outs, hits)]
 
 
 def kv(seed: int) -> torch.Tensor:
@@ -237,3 +206,54 @@ def test_lmcache_conformance_check(tmp_path):
     assert "Test Failed" not in out, out
     assert "5/5 correctly absent" in out and "5/5 found" in out, out
     assert "Validation (loaded): 5/5" in out and "Validation (content): 5/5" in out, out
+
+
+# ---------------------------------------------------------------------- faults
+from tests.support.redis_server import RedisServer, redis_available  # noqa: E402
+
+needs_redis = pytest.mark.skipif(not redis_available(), reason="redis-server not installed")
+
+
+@needs_redis
+def test_hung_redis_is_a_miss_within_the_deadline_then_fails_fast(make_adapter, tmp_path):
+    with RedisServer(workdir=tmp_path / "redis") as server:
+        ad = make_adapter([server.url], timeout_s=1.0)
+        keys = [okey(i) for i in range(3)]
+        assert store(ad, keys, [kv(i) for i in range(3)])
+        server.pause()  # SIGSTOP: connections stay open, nothing answers
+        try:
+            t = time.monotonic()
+            assert load(ad, keys) == [None, None, None]
+            first = time.monotonic() - t
+            assert first < 3.0, f"first load took {first:.2f}s; deadline 1s"
+            t = time.monotonic()
+            assert lookup(ad, keys) == [False] * 3
+            assert load(ad, keys) == [None, None, None]
+            assert time.monotonic() - t < 0.2, "breaker open: later tasks must not wait"
+            assert ad.breaker.state.value == "open"
+            assert ad.counters.timeouts >= 1 and ad.counters.refused >= 2
+            assert ad.report_status()["is_healthy"] is False
+        finally:
+            server.resume()
+        deadline = time.time() + 40
+        while time.time() < deadline and lookup(ad, keys) != [True] * 3:
+            time.sleep(0.3)  # the breaker half-opens, a probe gets through, it closes
+        assert lookup(ad, keys) == [True] * 3
+        assert all(g is not None for g in load(ad, keys))
+        ad.submit_unlock(keys)
+
+
+@needs_redis
+def test_killed_redis_store_fails_cleanly_and_recovers(make_adapter, tmp_path):
+    with RedisServer(workdir=tmp_path / "redis") as server:
+        ad = make_adapter([server.url], timeout_s=1.0)
+        server.kill()
+        t = time.monotonic()
+        assert not store(ad, [okey(1)], [kv(1)])
+        assert lookup(ad, [okey(1)]) == [False]
+        assert time.monotonic() - t < 10
+        server.restart()
+        deadline = time.time() + 40
+        while time.time() < deadline and not store(ad, [okey(2)], [kv(2)]):
+            time.sleep(0.3)
+        assert lookup(ad, [okey(2)]) == [True]
