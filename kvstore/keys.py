@@ -74,6 +74,21 @@ def unescape_component(text: str) -> str:
     return raw.decode("utf-8")
 
 
+def printable_name(name: str) -> str:
+    """`name` fit for a terminal line: control characters, newlines, backslashes, lone
+    surrogates and other non-printables are written as Python escapes (``\\n``,
+    ``\\x1b``, ``\\udc80``), so one name is always one unambiguous line."""
+    out = []
+    for ch in name:
+        if ch == "\\":
+            out.append("\\\\")
+        elif ch.isprintable() and not 0xD800 <= ord(ch) <= 0xDFFF:
+            out.append(ch)
+        else:
+            out.append(ch.encode("unicode_escape", "backslashreplace").decode("ascii"))
+    return "".join(out)
+
+
 def check_object_name(name: str) -> str:
     """Validate a backend object name; return it, or raise `InvalidKeyError` saying why.
 

@@ -29,7 +29,8 @@ Layout::
 File names are the object name percent-escaped (``/`` → ``%2F``, ``.`` → ``%2E``), so
 they are reversible and never start with ``.``; the index is rebuilt from a directory
 scan.  A name whose escaped form is too long for a file name is stored as ``~`` +
-digest with a ``.name`` side file holding the name.
+digest with a ``.name`` side file holding the name; a leading ``~`` of a short name is
+escaped, so the two kinds of file name never meet.
 """
 
 from __future__ import annotations
@@ -75,7 +76,14 @@ _ids = itertools.count()
 
 
 def encode_filename(name: str) -> str:
+    """The file name of object `name`: percent-escaped, or ``~`` + digest when too long.
+
+    The two spaces are disjoint: an escaped name never starts with ``~`` (a leading
+    ``~`` is written ``%7E``), so no name can be stored under another one's digest.
+    """
     enc = quote(name, safe="-_").replace(".", "%2E")
+    if enc.startswith("~"):
+        enc = "%7E" + enc[1:]
     if len(enc) <= MAX_FILENAME:
         return enc
     return "~" + hashlib.blake2b(name.encode(), digest_size=20).hexdigest()
@@ -256,6 +264,8 @@ class DiskBackend(Backend):
                 if entry.name.endswith(".name"):
                     continue
                 name = self._name_of(entry)
+                if clean and name is not None and entry.name.startswith("~"):
+                    name = self._rename_legacy(entry, name)
                 try:
                     st = entry.stat()
                 except FileNotFoundError:
@@ -268,6 +278,21 @@ class DiskBackend(Backend):
         found = self._entries(clean=True)
         for name, st in sorted(found, key=lambda e: e[1].st_mtime):  # oldest first: LRU survives restarts
             self._index_add(name, st.st_size)
+
+    @staticmethod
+    def _rename_legacy(entry: os.DirEntry[str], name: str) -> str | None:
+        """A short name starting with ``~`` stored by an older kvstore (as ``~...`` with a
+        side file) moves to its escaped file name (``%7E...``); None if it cannot."""
+        want = encode_filename(name)
+        if want == entry.name or shard_of(name) != Path(entry.path).parent.name:
+            return name
+        try:
+            os.replace(entry.path, Path(entry.path).parent / want)
+            os.unlink(entry.path + ".name")
+        except OSError as exc:
+            log.warning("kvstore disk: could not rename %s to %s: %s", entry.path, want, exc)
+            return None
+        return name
 
     @staticmethod
     def _name_of(entry: os.DirEntry[str]) -> str | None:

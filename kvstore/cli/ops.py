@@ -18,6 +18,7 @@ import click
 from kvstore.backends import Backend, open_backend
 from kvstore.backends.base import BackendUnavailableError
 from kvstore.config import option_size, parse_duration, parse_size, redact_text
+from kvstore.keys import printable_name
 
 T = TypeVar("T")
 EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
@@ -161,9 +162,9 @@ def migrate(
             f"written {_human(report.written_bytes)}; deleted from source {report.deleted}"
         )
         for name in report.corrupt:
-            click.echo(f"corrupt in source, skipped: {name}", err=True)
+            click.echo(f"corrupt in source, skipped: {printable_name(name)}", err=True)
         for name in report.failed:
-            click.echo(f"failed: {name}", err=True)
+            click.echo(f"failed: {printable_name(name)}", err=True)
     if report.failed or report.corrupt:
         sys.exit(EXIT_FAILURES)
 
@@ -185,7 +186,7 @@ def ls(url: str, prefix: str, namespace: str | None, as_json: bool) -> None:
         if as_json:
             click.echo(json.dumps({"name": info.name, "size": info.size, "mtime": info.mtime}))
         else:
-            click.echo(f"{info.size:>12}  {(now - info.mtime) / 3600:8.1f}h  {info.name}")
+            click.echo(f"{info.size:>12}  {(now - info.mtime) / 3600:8.1f}h  {printable_name(info.name)}")
 
 
 @click.command()
@@ -241,7 +242,7 @@ def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: b
             f"checked {report.checked}: {report.ok} ok, {len(report.bad)} bad, {report.missing} vanished"
         )
         for name, why in report.bad.items():
-            click.echo(f"bad: {name}: {why}", err=True)
+            click.echo(f"bad: {printable_name(name)}: {printable_name(why)}", err=True)
         if report.quarantined:
             click.echo(f"quarantined {report.quarantined}")
     if report.bad:

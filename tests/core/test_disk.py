@@ -247,3 +247,38 @@ def test_bad_urls_say_what_to_write(tmp_path: Path) -> None:
         open_backend("ftp://x")
     with pytest.raises(ValueError, match="local path"):
         open_backend("file://remotehost/x")
+
+
+async def test_a_raw_name_cannot_take_a_long_names_file(tmp_path: Path) -> None:
+    import hashlib
+
+    from kvstore.backends.disk import encode_filename, shard_of
+
+    def spelled(victim: str) -> str:  # a raw name spelling a long name's digest file name
+        return "~" + hashlib.blake2b(victim.encode(), digest_size=20).hexdigest()
+
+    long = (f"ns/{'x' * 260}/{i}" for i in range(100_000))
+    victim = next(n for n in long if shard_of(n) == shard_of(spelled(n)))  # same directory
+    crafted = spelled(victim)
+    assert encode_filename(victim).startswith("~")
+    be = DiskBackend(tmp_path / "root")
+    assert await be.put(victim, b"victim")
+    assert await be.put(crafted, b"crafted")
+    assert [bytes(v) for v in await be.get_many([victim, crafted])] == [b"victim", b"crafted"]
+    again = DiskBackend(tmp_path / "root")
+    assert sorted([i.name async for i in again.list()]) == sorted([victim, crafted])
+    assert [bytes(v) for v in await again.get_many([victim, crafted])] == [b"victim", b"crafted"]
+
+
+async def test_names_starting_with_tilde_written_before_are_renamed_on_open(tmp_path: Path) -> None:
+    from kvstore.backends.disk import shard_of
+
+    name = "~x/y"
+    shard = tmp_path / "root" / "objects" / shard_of(name)
+    shard.mkdir(parents=True)
+    (shard / "~x%2Fy").write_bytes(b"old")  # the layout an older kvstore wrote
+    (shard / "~x%2Fy.name").write_text(name, "utf-8")
+    be = DiskBackend(tmp_path / "root")
+    assert [bytes(v) for v in await be.get_many([name])] == [b"old"]
+    assert [i.name async for i in be.list()] == [name]
+    assert sorted(p.name for p in shard.iterdir()) == ["%7Ex%2Fy"]

@@ -142,3 +142,20 @@ def test_verify_reports_a_frame_under_another_name(tmp_path: Path) -> None:
     report = json.loads(out)
     assert code == 1 and list(report["bad"]) == [names[1]]
     assert "MisplacedFrameError" in report["bad"][names[1]]
+
+
+def test_ls_escapes_control_characters_and_newlines(tmp_path: Path) -> None:
+    odd = ["ns/evil\nname", "ns/bell\x07\x1b[31mred", "ns/tab\there\u202e"]
+
+    async def go() -> None:
+        be = DiskBackend(tmp_path)
+        assert all(await be.put_many([(n, b"x") for n in odd]))
+
+    asyncio.run(go())
+    code, out = run("ls", tmp_path.as_uri())
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == len(odd)
+    assert not any(c in out for c in "\x07\x1b")
+    assert any(line.endswith("ns/evil\\nname") for line in lines)
+    code, out = run("ls", tmp_path.as_uri(), "--json")
+    assert sorted(json.loads(line)["name"] for line in out.splitlines()) == sorted(odd)
