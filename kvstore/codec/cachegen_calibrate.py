@@ -10,9 +10,10 @@ torch reference of its quantizer), files other than the profile it is asked to w
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -143,13 +144,16 @@ def calibrate(
     name: str | None = None,
     fixed_bins: tuple[list[int], list[int]] | None = None,
     equalize: float = 0.0,
+    files: Sequence[str | os.PathLike[str]] | None = None,
     log: Callable[[str], None] = print,
 ) -> tuple[Profile, Calibration]:
-    """Measure, allocate, fit codebooks; return the profile and what was measured.
+    """Measure, allocate, fit codebooks; return the profile (bound to `lm`'s fingerprint)
+    and what was measured.
 
-    With `fixed_bins` (K, V bins per layer) only the codebooks are fitted."""
+    Calibrates on the builtin calibration texts, or on the user's `files` (up to `texts`
+    of them).  With `fixed_bins` (K, V bins per layer) only the codebooks are fitted."""
     t0 = time.time()
-    samples = kvmodel.make_samples(lm, "calibration", prefix, cont, texts)
+    samples = kvmodel.make_samples(lm, "calibration", prefix, cont, texts, files)
     L = lm.num_layers
     log(f"captured {len(samples)} calibration prompts ({prefix}+{cont} tokens) in {time.time() - t0:.0f}s")
     cs = channel_scales(samples, equalize) if equalize > 0 else None
@@ -237,9 +241,26 @@ def _finish(lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chu
     bps /= 2 * len(kb)
     cal = Calibration(kb, vb, sens[0].tolist(), sens[1].tolist(), pred, q.kl, q.top1, q.dppl, float(bps))
     info = {"model": lm.name, "target_kl": target_kl, "prefix": prefix, "cont": cont, "texts": len(samples)}
+    info["prompts"] = [s.label for s in samples]
     info.update({k: v for k, v in asdict(cal).items() if k not in ("key_bins", "value_bins")})
     log(f"calibrated in {time.time() - t0:.0f}s")
-    return Profile(pname, kb, vb, cset, info), cal
+    return Profile(pname, kb, vb, cset, info, kvmodel.fingerprint(lm)), cal
+
+
+@dataclass
+class PromptReport:
+    """One prompt's figures: its chunks' ratio and, with a model, next-token quality."""
+
+    label: str
+    ratio: float
+    rel_l2: float
+    top1: float | None = None
+    kl: float | None = None
+    ppl_ref: float | None = None
+    ppl: float | None = None
+    dppl: float | None = None
+    tokens: int = 0
+    repeated: bool = False
 
 
 @dataclass
@@ -254,6 +275,12 @@ class EvalReport:
     ppl: float | None = None
     dppl: float | None = None
     tokens: int = 0
+    prompts: list[PromptReport] = field(default_factory=list)
+
+    def worst(self) -> PromptReport | None:
+        """The prompt with the lowest top-1 (ties: the largest |dPPL|)."""
+        rows = [p for p in self.prompts if p.top1 is not None]
+        return min(rows, key=lambda p: (p.top1, -abs(p.dppl or 0.0))) if rows else None
 
 
 def chunked_roundtrip(
@@ -279,25 +306,41 @@ def evaluate(
     chunk: int = 256,
     dtype: torch.dtype = torch.float16,
 ) -> EvalReport:
+    """Pooled and per-prompt ratio, error and (with `lm`) next-token quality of `codec`
+    against the uncompressed KV of each sample."""
     raw = stored = 0
     err = ref = dot = na = nb = 0.0
-    recon: dict[int, torch.Tensor] = {}
-    for i, s in enumerate(samples):
+    tot = kvmodel.Sums()
+    prompts = []
+    for s in samples:
         y, r, st = chunked_roundtrip(codec, s.kv, chunk, dtype)
         raw += r
         stored += st
         x = s.kv.to(dtype).double()
         yd = y.double()
-        err += float((yd - x).pow(2).sum())
-        ref += float(x.pow(2).sum())
+        e, n2 = float((yd - x).pow(2).sum()), float(x.pow(2).sum())
+        err += e
+        ref += n2
         dot += float((x * yd).sum())
-        na += float(x.pow(2).sum())
+        na += n2
         nb += float(yd.pow(2).sum())
-        recon[i] = y
-    rep = EvalReport(label, raw / stored, math.sqrt(err / ref), dot / math.sqrt(na * nb))
+        pr = PromptReport(s.label, r / st, math.sqrt(e / n2) if n2 > 0 else 0.0, repeated=s.repeated)
+        if lm is not None:
+            sums = kvmodel.sample_sums(lm, s, y)
+            tot.add(sums)
+            q = sums.quality()
+            pr.top1, pr.kl, pr.ppl_ref, pr.ppl, pr.dppl, pr.tokens = (
+                q.top1,
+                q.kl,
+                q.ppl_ref,
+                q.ppl,
+                q.dppl,
+                q.tokens,
+            )
+        prompts.append(pr)
+    rep = EvalReport(label, raw / stored, math.sqrt(err / ref), dot / math.sqrt(na * nb), prompts=prompts)
     if lm is not None:
-        it = iter(range(len(samples)))
-        q = kvmodel.quality(lm, samples, lambda kv: recon[next(it)])
+        q = tot.quality()
         rep.top1, rep.kl, rep.ppl_ref, rep.ppl, rep.dppl, rep.tokens = (
             q.top1,
             q.kl,

@@ -4,6 +4,12 @@ Owns: `Profile` (per-layer K/V bin counts + the codebook set they are coded with
 JSON file format, the `lmcache` preset, and the process-wide resolver that turns a
 payload's (codebook id, digest) back into tables.  Must not touch: tensors, payloads.
 
+A profile is bound to the model it was fitted on by a `ModelFingerprint` (model name, layer
+count, planes, K and V channels per layer, the dtype it was calibrated in): the encoder
+refuses a tensor whose layout differs, since bins and tables fitted on one model say
+nothing about another's KV.  Decoding never consults the fingerprint: a payload names its
+codebook set by (id, digest), and the fingerprint is not part of the digest.
+
 Resolution order for a payload's codebook set: the builtin parametric set; sets of
 profiles loaded in this process; profiles shipped in ``kvstore/codec/profiles``; files
 in ``$KVSTORE_CODEC_PROFILES`` (a path list).  A miss raises `UnknownCodebookError`
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +43,131 @@ class UnknownCodebookError(CodecUnavailableError):
     """A payload was coded with tables this process cannot find."""
 
 
+class ProfileMismatchError(ValueError):
+    """A tensor that does not come from the model a profile was fitted on."""
+
+
+CALIBRATE_HINT = (
+    "make a profile for that model with `kvstore codec calibrate --model DIR --out PROFILE.json` "
+    "(or use preset=lmcache, which fits any model)"
+)
+_QUANT_TAG = re.compile(r"([.-](q\d[\w]*|iq\d[\w]*|f16|f32|bf16|fp16|fp32|gguf))+$", re.IGNORECASE)
+
+
+def normalize_model_name(name: str) -> str:
+    """Last path component, lower case, without a GGUF file's quantization tag:
+    ``HuggingFaceTB/SmolLM2-135M-Instruct`` and ``SmolLM2-135M-Instruct.Q4_1`` are one model."""
+    base = name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
+    return _QUANT_TAG.sub("", base) or base
+
+
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """The KV layout of the model a profile was fitted on.
+
+    ``planes`` is 2 for K and V (``KV_2LTD``), 1 for MLA; ``key_channels`` /
+    ``value_channels`` are per layer (``value_channels`` is empty for MLA).  ``kv_heads``,
+    ``head_dim`` and ``dtype`` (what calibration ran in) are recorded for people; the
+    codec checks name (when the caller gives one), planes, layers and channels."""
+
+    name: str
+    num_layers: int
+    planes: int
+    key_channels: tuple[int, ...]
+    value_channels: tuple[int, ...]
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key_channels", tuple(int(c) for c in self.key_channels))
+        object.__setattr__(self, "value_channels", tuple(int(c) for c in self.value_channels))
+        if not self.name or self.planes not in (1, 2) or self.num_layers < 1:
+            raise ValueError("a model fingerprint needs a name, planes 1 or 2 and at least one layer")
+        if len(self.key_channels) != self.num_layers or len(self.value_channels) != (
+            self.num_layers if self.planes == 2 else 0
+        ):
+            raise ValueError("a model fingerprint needs K (and for 2 planes V) channels for every layer")
+        if min((*self.key_channels, *self.value_channels)) < 1:
+            raise ValueError("channel counts must be positive")
+
+    @classmethod
+    def uniform(
+        cls,
+        name: str,
+        num_layers: int,
+        channels: int,
+        *,
+        planes: int = 2,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        dtype: str | None = None,
+    ) -> ModelFingerprint:
+        return cls(
+            name,
+            num_layers,
+            planes,
+            (channels,) * num_layers,
+            (channels,) * num_layers if planes == 2 else (),
+            kv_heads,
+            head_dim,
+            dtype,
+        )
+
+    def describe(self) -> str:
+        chans = sorted({*self.key_channels, *self.value_channels})
+        c = str(chans[0]) if len(chans) == 1 else f"{chans[0]}..{chans[-1]}"
+        what = "K and V" if self.planes == 2 else "MLA (one plane)"
+        return f"{self.name} ({self.num_layers} layers, {what}, {c} channels)"
+
+    def matches_name(self, model: str) -> bool:
+        return normalize_model_name(model) == normalize_model_name(self.name)
+
+    def mismatch(self, shape: tuple[int, ...]) -> str | None:
+        """Why a KV tensor of `shape` ([P, L, T, C]) is not this model's, or None."""
+        P, L, _, C = (int(d) for d in shape)
+        if self.planes != P:
+            return f"{P} plane(s) ({'K and V' if P == 2 else 'MLA'}), the model has {self.planes}"
+        if self.num_layers != L:
+            return f"{L} layers, the model has {self.num_layers}"
+        bad = [i for i in range(L) if self.key_channels[i] != C or (P == 2 and self.value_channels[i] != C)]
+        if bad:
+            i = bad[0]
+            want = (
+                f"{self.key_channels[i]}"
+                if P == 1 or self.key_channels[i] == self.value_channels[i]
+                else f"K {self.key_channels[i]} / V {self.value_channels[i]}"
+            )
+            return f"{C} channels per layer, the model has {want} (layer {i})"
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        m: dict[str, Any] = {
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "planes": self.planes,
+            "key_channels": list(self.key_channels),
+            "value_channels": list(self.value_channels),
+        }
+        for k in ("kv_heads", "head_dim", "dtype"):
+            if getattr(self, k) is not None:
+                m[k] = getattr(self, k)
+        return m
+
+    @classmethod
+    def from_json(cls, m: dict[str, Any]) -> ModelFingerprint:
+        return cls(
+            str(m["name"]),
+            int(m["num_layers"]),
+            int(m["planes"]),
+            tuple(int(c) for c in m["key_channels"]),
+            tuple(int(c) for c in m["value_channels"]),
+            None if m.get("kv_heads") is None else int(m["kv_heads"]),
+            None if m.get("head_dim") is None else int(m["head_dim"]),
+            None if m.get("dtype") is None else str(m["dtype"]),
+        )
+
+
 def lmcache_bins(num_layers: int) -> tuple[list[int], list[int]]:
     """LMCache's CacheGen layout: K 32 bins for layers < 10, V for layers < 2, else 16;
     models under 10 layers use 32 everywhere."""
@@ -53,12 +185,52 @@ class Profile:
     value_bins: list[int]
     codebooks: CodebookSet | None = None  # None: the builtin parametric set
     info: dict[str, Any] = field(default_factory=dict)
+    model: ModelFingerprint | None = None  # None: a profile written before fingerprints
 
     def __post_init__(self) -> None:
         if len(self.key_bins) != len(self.value_bins) or not self.key_bins:
             raise ValueError("a profile needs one K and one V bin count per layer")
         for b in (*self.key_bins, *self.value_bins):
             check_bins(b)
+        fp = self.model
+        if fp is not None:
+            if fp.num_layers != self.num_layers:
+                raise ValueError(
+                    f"profile {self.name!r} has bins for {self.num_layers} layers; its model has {fp.num_layers}"
+                )
+            cs = self.codebooks.channel_scales if self.codebooks is not None else None
+            if cs is not None and (
+                cs.shape[1] != fp.num_layers or fp.mismatch((fp.planes, fp.num_layers, 1, cs.shape[2]))
+            ):
+                raise ValueError(f"profile {self.name!r}: channel scales do not fit its model's layout")
+
+    def bound_to(self, model: ModelFingerprint) -> Profile:
+        """This profile with `model` as its fingerprint (same bins, tables and digest)."""
+        return Profile(self.name, self.key_bins, self.value_bins, self.codebooks, dict(self.info), model)
+
+    def check_tensor(self, shape: tuple[int, ...]) -> None:
+        """Raise `ProfileMismatchError` unless a KV tensor of `shape` is this profile's model's."""
+        fp = self.model
+        if fp is None:
+            raise ProfileMismatchError(
+                f"profile {self.name!r} names no model (it was written before profiles were bound "
+                "to their model), so kvstore cannot check that this KV fits it; re-run "
+                "`kvstore codec calibrate` for your model, or stamp this profile with "
+                "`kvstore codec bind PROFILE --model DIR` if you know it was fitted on that model"
+            )
+        why = fp.mismatch(shape)
+        if why is not None:
+            raise ProfileMismatchError(
+                f"profile {self.name!r} was calibrated on {fp.describe()}; this tensor "
+                f"{tuple(int(d) for d in shape)} has {why}: it is another model's KV. {CALIBRATE_HINT}"
+            )
+
+    def check_model_name(self, model: str) -> None:
+        fp = self.model
+        if fp is not None and not fp.matches_name(model):
+            raise ProfileMismatchError(
+                f"profile {self.name!r} was calibrated on {fp.name!r}, not {model!r}. {CALIBRATE_HINT}"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -80,6 +252,7 @@ class Profile:
             "codebook_id": self.codebooks.id if self.codebooks else BUILTIN_ID,
             "codebooks": self.codebooks.to_json() if self.codebooks else None,
             "channel_scales": self.codebooks.scales_json() if self.codebooks else None,
+            "model": self.model.to_json() if self.model is not None else None,
             "info": self.info,
         }
 
@@ -100,6 +273,7 @@ class Profile:
             [int(b) for b in m["value_bins"]],
             cset,
             dict(m.get("info") or {}),
+            ModelFingerprint.from_json(m["model"]) if m.get("model") else None,
         )
         if cset is not None:
             for b in (*p.key_bins, *p.value_bins):

@@ -15,7 +15,7 @@ import importlib.util
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -91,6 +91,14 @@ def load_model(path: str | None = None, gguf_file: str | None = None) -> LoadedM
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
+    try:  # the GGUF converter draws its own progress bar
+        import functools
+
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        gguf_utils.tqdm = functools.partial(gguf_utils.tqdm, disable=True)
+    except (ImportError, AttributeError):
+        pass
     kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(path, **kw)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
@@ -100,13 +108,23 @@ def load_model(path: str | None = None, gguf_file: str | None = None) -> LoadedM
     return lm
 
 
+def labelled_texts(which: str = "eval") -> list[tuple[str, str]]:
+    """(label, text) of the calibration or evaluation set (see the module note)."""
+    mods = CALIBRATION_MODULES if which == "calibration" else EVAL_MODULES
+    out = [(f"code:{m}", inspect.getsource(importlib.import_module(m))) for m in mods]
+    if which != "calibration":
+        out.append(("prose", PROSE * 8))
+    return out
+
+
 def texts(which: str = "eval") -> list[str]:
     """The calibration or evaluation texts (see the module note)."""
-    mods = CALIBRATION_MODULES if which == "calibration" else EVAL_MODULES
-    out = [inspect.getsource(importlib.import_module(m)) for m in mods]
-    if which != "calibration":
-        out.append(PROSE * 8)
-    return out
+    return [t for _, t in labelled_texts(which)]
+
+
+def file_texts(paths: Sequence[str | os.PathLike[str]]) -> list[tuple[str, str]]:
+    """(file name, text) of a user's own prompt files (UTF-8)."""
+    return [(Path(p).name, Path(p).read_text(encoding="utf-8", errors="replace")) for p in paths]
 
 
 def token_ids(lm: LoadedModel, text: str, n: int) -> torch.Tensor:
@@ -115,6 +133,28 @@ def token_ids(lm: LoadedModel, text: str, n: int) -> torch.Tensor:
         reps = n // max(1, len(ids)) + 1
         ids = ids.repeat(reps)
     return ids[:n]
+
+
+@torch.no_grad()
+def fingerprint(lm: LoadedModel) -> Any:
+    """The model's KV layout as a cachegen `ModelFingerprint`, measured on a short prompt
+    (so per-layer channel counts are what the model really produces)."""
+    from kvstore.codec.cachegen_profile import ModelFingerprint
+
+    ids = token_ids(lm, PROSE, 8)
+    out = lm.model(ids[None], use_cache=True)
+    layers = out.past_key_values.layers
+    kc = [int(layer.keys.shape[1] * layer.keys.shape[3]) for layer in layers]
+    vc = [int(layer.values.shape[1] * layer.values.shape[3]) for layer in layers]
+    cfg = lm.model.config
+    heads = getattr(cfg, "num_key_value_heads", None)
+    hd = getattr(cfg, "head_dim", None)
+    if hd is None and heads is not None:
+        hd = int(cfg.hidden_size) // int(cfg.num_attention_heads)
+    dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+    return ModelFingerprint(
+        lm.name, len(layers), 2, tuple(kc), tuple(vc), None if heads is None else int(heads), hd, dtype
+    )
 
 
 @torch.no_grad()
@@ -190,33 +230,71 @@ class Sample:
     kv: torch.Tensor
     cont: torch.Tensor
     ref_logits: torch.Tensor
+    label: str = ""
+    repeated: bool = False  # the text was shorter than prefix + cont and was repeated
 
 
 def make_samples(
-    lm: LoadedModel, which: str, prefix: int, cont: int, limit: int | None = None
+    lm: LoadedModel,
+    which: str,
+    prefix: int,
+    cont: int,
+    limit: int | None = None,
+    files: Sequence[str | os.PathLike[str]] | None = None,
 ) -> list[Sample]:
+    """One sample per text: the builtin set `which`, or the user's `files` when given."""
     out = []
-    for text in texts(which)[:limit]:
+    for label, text in (file_texts(files) if files else labelled_texts(which))[:limit]:
+        n = len(lm.tokenizer(text, return_tensors="pt").input_ids[0])
         ids = token_ids(lm, text, prefix + cont)
         kv, _ = capture_kv(lm, ids[:prefix])
         c = ids[prefix:]
-        out.append(Sample(kv, c, continuation_logits(lm, kv, c)))
+        out.append(Sample(kv, c, continuation_logits(lm, kv, c), label, n < prefix + cont))
     return out
+
+
+@dataclass
+class Sums:
+    """Per-sample tallies that `Quality` is computed from."""
+
+    agree: int = 0
+    kl: float = 0.0
+    nll_ref: float = 0.0
+    nll: float = 0.0
+    positions: int = 0
+    targets: int = 0
+
+    def add(self, o: Sums) -> None:
+        self.agree += o.agree
+        self.kl += o.kl
+        self.nll_ref += o.nll_ref
+        self.nll += o.nll
+        self.positions += o.positions
+        self.targets += o.targets
+
+    def quality(self) -> Quality:
+        t = max(1, self.targets)
+        return Quality(
+            self.agree / self.positions,
+            self.kl / self.positions,
+            math.exp(self.nll_ref / t),
+            math.exp(self.nll / t),
+            self.positions,
+        )
+
+
+def sample_sums(lm: LoadedModel, s: Sample, kv: torch.Tensor) -> Sums:
+    """Decode `s`'s continuation on `kv` (a reconstruction of `s.kv`) against the exact run."""
+    got = continuation_logits(lm, kv, s.cont)
+    a, k, r, g, m = compare(s.ref_logits, got, s.cont[1:])
+    return Sums(a, k, r, g, m, len(s.cont) - 1)
 
 
 def quality(
     lm: LoadedModel, samples: list[Sample], roundtrip: Callable[[torch.Tensor], torch.Tensor]
 ) -> Quality:
     """Decode every sample's continuation on `roundtrip(kv)` and compare with the exact KV."""
-    agree = n = 0
-    kl = nr = ng = 0.0
+    tot = Sums()
     for s in samples:
-        got = continuation_logits(lm, roundtrip(s.kv), s.cont)
-        a, k, r, g, m = compare(s.ref_logits, got, s.cont[1:])
-        agree += a
-        kl += k
-        nr += r
-        ng += g
-        n += m
-    t = sum(len(s.cont) - 1 for s in samples)
-    return Quality(agree / n, kl / n, math.exp(nr / t), math.exp(ng / t), n)
+        tot.add(sample_sums(lm, s, roundtrip(s.kv)))
+    return tot.quality()

@@ -13,7 +13,7 @@ from kvstore import codec as codecs
 from kvstore.codec.cachegen import CacheGenCodec
 from kvstore.codec.cachegen_format import CacheGenPayloadError
 from kvstore.codec.cachegen_kernels import PROB_SCALE, encoder_tables
-from kvstore.codec.cachegen_profile import Profile, UnknownCodebookError
+from kvstore.codec.cachegen_profile import ModelFingerprint, Profile, UnknownCodebookError
 from kvstore.codec.cachegen_tables import CodebookSet, builtin_codebook
 from kvstore.frame import FrameError, decode_frame, encode_frame
 
@@ -192,13 +192,19 @@ def test_shipped_profile_round_trips_and_decodes_by_id(tmp_path):
     x = kv_like((2, prof.num_layers, 40, 192))
     y = codecs.get("cachegen").decode(c.encode(x))  # a plain decoder resolves the profile's tables
     max_error_ok(x, y, c)
-    with pytest.raises(ValueError, match="for 30 layers"):
+    with pytest.raises(ValueError, match="4 layers, the model has 30"):
         c.encode(kv_like((2, 4, 8, 192)))
 
 
 def test_unknown_codebook_fails_clearly(tmp_path):
     book = builtin_codebook(15)
-    prof = Profile("private", [16] * 2, [16] * 2, CodebookSet("private-tables", {15: book}))
+    prof = Profile(
+        "private",
+        [16] * 2,
+        [16] * 2,
+        CodebookSet("private-tables", {15: book}),
+        model=ModelFingerprint.uniform("tiny", 2, 8),
+    )
     path = tmp_path / "private.json"
     prof.save(path)
     buf = codecs.get("cachegen", profile=str(path)).encode(kv_like((2, 2, 8, 8)))
@@ -228,7 +234,13 @@ def test_channel_scaled_profile_rounds_scales_and_survives_float16_overflow():
     book = builtin_codebook(15)
     cs = np.full((2, 2, 8), 0.5, np.float32)
     cs[0, 1, 3] = 1e-4  # this channel is magnified 10^4 before per-token quantization
-    prof = Profile("eq", [16, 16], [16, 16], CodebookSet("eq-tables", {15: book}, cs))
+    prof = Profile(
+        "eq",
+        [16, 16],
+        [16, 16],
+        CodebookSet("eq-tables", {15: book}, cs),
+        model=ModelFingerprint.uniform("t", 2, 8),
+    )
     c = CacheGenCodec(profile=prof)
     x = kv_like((2, 2, 16, 8), torch.float16, seed=5)
     for scale, scale_dtype in [(1.0, "float16"), (1000.0, "float32")]:
