@@ -1,0 +1,149 @@
+"""The MP-server harness against a real ``lmcache.v1.multiprocess.server`` on CPU.
+
+LMCache's own ``fs`` L2 adapter underneath, in a temp directory: round trip of three
+chunks, a partial prefix hit, a SIGKILL and restart that finds the chunks through L2,
+the shared-memory transfer path, and a start failure that reports the server log.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lmcache")
+torch = pytest.importorskip("torch")
+
+from kvstore.lmcache_mp import (  # noqa: E402
+    MPClient,
+    MPClientError,
+    MPServer,
+    MPServerError,
+    fs_l2_adapter,
+    random_kv,
+)
+
+LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 64, 256
+
+
+def _client(server: MPServer, **kw: object) -> MPClient:
+    client = MPClient(server.url, "tiny-mp", LAYERS, HEADS, HEAD_DIM, torch.bfloat16, CHUNK, **kw)
+    client.register()
+    return client
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 50_000, (n,), generator=g).tolist()
+
+
+def _l2_files(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir() if p.suffix == ".data") if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def fs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[MPServer, Path]]:
+    root = tmp_path_factory.mktemp("mp-fs")
+    server = MPServer(
+        [fs_l2_adapter(root / "l2")], chunk_size=CHUNK, l1_size_gb=0.1, log_path=root / "server.log"
+    )
+    with server:
+        yield server, root / "l2"
+
+
+def test_round_trip_three_chunks(fs_server: tuple[MPServer, Path]) -> None:
+    server, l2 = fs_server
+    with _client(server) as client:
+        tokens = _tokens(3 * CHUNK + 17, seed=1)  # a trailing partial chunk is not stored
+        kv = random_kv(len(tokens), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=1)
+        assert client.transfer == "pickle"
+        assert client.lookup(tokens) == 0
+        assert client.store(tokens, kv) == 3 * CHUNK
+        assert client.lookup(tokens) == 3 * CHUNK
+        hit, got = client.retrieve(tokens)
+        assert hit == 3 * CHUNK
+        assert got.dtype == torch.bfloat16 and got.shape == (2, LAYERS, hit, HEADS * HEAD_DIM)
+        assert torch.equal(got.view(torch.int16), kv[:, :, :hit].view(torch.int16))  # bytes equal
+        # the L2 writes land asynchronously; wait_stored sees them in the adapter
+        assert client.wait_stored(tokens, timeout=30)
+        assert len(_l2_files(l2)) >= 3
+        # per-head input layout is accepted too; the chunks are already stored
+        per_head = kv.view(2, LAYERS, len(tokens), HEADS, HEAD_DIM)
+        assert client.store(tokens, per_head) == 3 * CHUNK
+
+
+def test_partial_prefix_hit(fs_server: tuple[MPServer, Path]) -> None:
+    server, _ = fs_server
+    with _client(server) as client:
+        tokens = _tokens(4 * CHUNK, seed=2)
+        kv = random_kv(len(tokens), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=2)
+        assert client.store(tokens[: 2 * CHUNK], kv[:, :, : 2 * CHUNK]) == 2 * CHUNK
+        assert client.lookup(tokens) == 2 * CHUNK
+        hit, got = client.retrieve(tokens)
+        assert hit == 2 * CHUNK
+        assert torch.equal(got, kv[:, :, : 2 * CHUNK])
+        # a different first chunk shares no prefix, so nothing hits
+        other = [tokens[0] + 1, *tokens[1:]]
+        assert client.retrieve(other)[0] == 0
+        assert client.wait_stored(timeout=30)  # the store queue drains
+
+
+def test_restart_after_sigkill_finds_chunks_in_l2(tmp_path: Path) -> None:
+    l2 = tmp_path / "l2"
+    server = MPServer([fs_l2_adapter(l2)], chunk_size=CHUNK, l1_size_gb=0.1, log_path=tmp_path / "server.log")
+    tokens = _tokens(3 * CHUNK, seed=3)
+    kv = random_kv(len(tokens), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=3)
+    with server:
+        client = _client(server, timeout=3.0)
+        assert client.store(tokens, kv) == 3 * CHUNK
+        assert client.wait_stored(tokens, timeout=30)
+        pid = server.pid
+        assert server.kill() == -9
+        assert not server.running
+        assert len(_l2_files(l2)) == 3
+
+        server.start()  # same port, same fs directory, a new process with an empty L1
+        assert server.pid != pid
+        # the new server knows no layout: a store from the old registration gets no answer
+        with pytest.raises(MPClientError, match="register"):
+            client.store(tokens, kv)
+        client.register()
+        assert client.lookup(tokens) == 3 * CHUNK
+        hit, got = client.retrieve([*tokens, 1, 2, 3])
+        assert hit == 3 * CHUNK
+        assert torch.equal(got.view(torch.int16), kv.view(torch.int16))
+        client.close()
+    assert not server.running
+
+
+def test_shared_memory_transfer(tmp_path: Path) -> None:
+    shm = f"kvstore-test-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    server = MPServer(
+        [fs_l2_adapter(tmp_path / "l2")],
+        chunk_size=CHUNK,
+        l1_size_gb=0.05,
+        shm_name=shm,
+        log_path=tmp_path / "server.log",
+    )
+    with server:
+        with _client(server) as client:
+            assert client.transfer == "shm"
+            tokens = _tokens(2 * CHUNK, seed=4)
+            kv = random_kv(len(tokens), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=4)
+            assert client.store(tokens, kv) == 2 * CHUNK
+            assert client.store(tokens, kv) == 2 * CHUNK  # all cached: nothing to write
+            hit, got = client.retrieve(tokens)
+            assert hit == 2 * CHUNK and torch.equal(got, kv)
+        assert server.stop() == 0  # SIGTERM is a clean shutdown
+    assert not Path("/dev/shm", f"lmcache_l1_pool_{shm}").exists()
+
+
+def test_start_failure_reports_the_log(tmp_path: Path) -> None:
+    server = MPServer([{"type": "no-such-adapter"}], log_path=tmp_path / "server.log", start_timeout=60)
+    with pytest.raises(MPServerError, match="no-such-adapter") as err:
+        server.start()
+    assert "exited with code" in str(err.value)
+    assert not server.running
