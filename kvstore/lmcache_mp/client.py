@@ -338,8 +338,14 @@ class MPClient:
                 return False
             time.sleep(poll)
 
+    def clear_l1(self, force: bool = False) -> None:
+        """Drop the server's L1 (LMCache's ``clear`` request; L2 is untouched), so the
+        next lookup is served from L2 as after a restart.  Objects still locked (an L2
+        store or a retrieve in flight) stay unless ``force``: `wait_stored` first."""
+        self._result(self._transport().clear(force), "clear")
+
     def l2_status(self) -> dict[str, Any]:
-        """The server's store queues and L2 adapter status (from the status module)."""
+        """The server's store queues, L1 occupancy and L2 adapter status (status module)."""
         return self._module_call("kvstore.l2_status", {})
 
     # ------------------------------------------------------------------ internals

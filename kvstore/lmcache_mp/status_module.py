@@ -3,7 +3,8 @@
 Owns: two namespaced server-module methods, answered inside the MP server process:
 
 - ``kvstore.l2_status``: the store controllers' queue (``pending_keys_count``,
-  ``in_flight_task_count`` per L1) and each L2 adapter's ``report_status()``, as JSON.
+  ``in_flight_task_count`` per L1), L1 occupancy and each L2 adapter's
+  ``report_status()``, as JSON.
 - ``kvstore.l2_contains``: for a token list, which chunk objects every L2 adapter holds
   now, asked through the adapters' own ``submit_lookup_and_lock_task`` (then unlocked).
 
@@ -53,7 +54,8 @@ class KVStoreStatusModule:
 
     @server_module_handler(STATUS_METHOD)
     def l2_status(self, payload: bytes) -> bytes:
-        """JSON: ``{"idle": bool, "store_controllers": {...}, "l2_adapters": [...]}``.
+        """JSON: ``{"idle": bool, "l1_used_bytes", "l1_total_bytes", "num_l2_adapters",
+        "store_controllers": {...}, "l2_adapters": [...]}``.
 
         ``idle`` is true when no L1 store controller has keys queued or L2 store tasks
         in flight.  A key is briefly in neither between the controller popping its
@@ -65,8 +67,11 @@ class KVStoreStatusModule:
             s.get("pending_keys_count", 0) == 0 and s.get("in_flight_task_count", 0) == 0
             for s in stores.values()
         )
+        used, total = self._ctx.storage_manager.get_l1_usage()
         answer = {
             "idle": idle,
+            "l1_used_bytes": used,
+            "l1_total_bytes": total,
             "num_l2_adapters": status.get("num_l2_adapters", 0),
             "store_controllers": stores,
             "l2_adapters": status.get("l2_adapters", []),

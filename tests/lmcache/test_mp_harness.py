@@ -1,7 +1,8 @@
 """The MP-server harness against a real ``lmcache.v1.multiprocess.server`` on CPU.
 
 LMCache's own ``fs`` L2 adapter underneath, in a temp directory: round trip of three
-chunks, a partial prefix hit, a SIGKILL and restart that finds the chunks through L2,
+chunks, a partial prefix hit, L1 cleared and the chunks read back from L2, a SIGKILL
+and restart that finds the chunks through L2,
 the shared-memory transfer path, and a start failure that reports the server log.
 """
 
@@ -89,6 +90,20 @@ def test_partial_prefix_hit(fs_server: tuple[MPServer, Path]) -> None:
         other = [tokens[0] + 1, *tokens[1:]]
         assert client.retrieve(other)[0] == 0
         assert client.wait_stored(timeout=30)  # the store queue drains
+
+
+def test_clear_l1_then_retrieve_from_l2(fs_server: tuple[MPServer, Path]) -> None:
+    server, _ = fs_server
+    with _client(server) as client:
+        tokens = _tokens(2 * CHUNK, seed=5)
+        kv = random_kv(len(tokens), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=5)
+        assert client.store(tokens, kv) == 2 * CHUNK
+        assert client.l2_status()["l1_used_bytes"] > 0
+        assert client.wait_stored(tokens, timeout=30)
+        client.clear_l1()
+        assert client.l2_status()["l1_used_bytes"] == 0  # nothing left in L1 ...
+        hit, got = client.retrieve(tokens)  # ... so this comes back from the fs adapter
+        assert hit == 2 * CHUNK and torch.equal(got, kv)
 
 
 def test_restart_after_sigkill_finds_chunks_in_l2(tmp_path: Path) -> None:
