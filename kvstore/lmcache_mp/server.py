@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 STATUS_MODULE = {"module_path": "kvstore.lmcache_mp.status_module", "factory_name": "build_server_modules"}
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -167,9 +168,11 @@ class MPServer:
     def start(self) -> MPServer:
         """Start the process and wait until it serves requests.
 
-        Ready means it answered a ``noop`` request, sent at spawn and queued by ZMQ
+        Ready means this process answered a request sent at spawn and queued by ZMQ
         until the server's transport binds (it logs ``LMCache cache server is
-        running...`` at that moment; the request does not depend on its log level).
+        running...`` then; the request does not depend on its log level).  With the
+        status module the answer names the server's pid, so another server on the same
+        port is not taken for this one; without it the request is LMCache's ``noop``.
         Raises `MPServerError`, with the tail of the log, if the process exits or is not
         ready within ``start_timeout`` seconds (it is killed then).  With an
         automatically chosen port, a start that loses its port to another process
@@ -206,26 +209,40 @@ class MPServer:
                 start_new_session=True,
             )
         deadline = time.monotonic() + self.start_timeout
-        # A noop sent now waits in ZMQ's queue until the server binds and answers it.
+        # A request sent now waits in ZMQ's queue until the server binds and answers it.
         probe = RequestClientFactory.create(self.url)
         try:
-            answer = probe.noop()
-            while not answer.wait(0.2):
+            answer = self._probe(probe)
+            while True:
+                if answer.wait(0.2):
+                    if self._answered_by_us(answer.result()):
+                        return
+                    answer = self._probe(probe)  # another process holds the port: wait for ours
                 if self._proc.poll() is not None:
-                    code = self._proc.returncode
-                    self._proc = None
+                    code = self._reap()
                     raise MPServerError(f"MP server exited with code {code} during start\n{self.log_tail()}")
                 if time.monotonic() > deadline:
-                    self._signal_group(signal.SIGKILL)
-                    self._wait(10.0)
-                    self._reap()
+                    self.kill()
                     raise MPServerError(
                         f"MP server not ready after {self.start_timeout:.0f}s\n{self.log_tail()}"
                     )
-            if answer.result() != "OK":
-                raise MPServerError(f"MP server answered noop with {answer.result()!r}\n{self.log_tail()}")
         finally:
             probe.close()
+
+    def _probe(self, client: Any) -> Any:
+        """A readiness request: the status module's (it names the answering process's
+        pid), else LMCache's ``noop``."""
+        if not self.status_module:
+            return client.noop()
+        from lmcache.v1.multiprocess.protocols.server_module import ServerModuleCallRequest
+
+        return client.server_module_call(ServerModuleCallRequest(method="kvstore.l2_status", payload=b"{}"))
+
+    def _answered_by_us(self, answer: Any) -> bool:
+        if not self.status_module:
+            return bool(answer == "OK")
+        assert self._proc is not None
+        return bool(answer.success) and json.loads(answer.payload).get("pid") == self._proc.pid
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGTERM (a clean shutdown), then SIGKILL after ``timeout`` seconds.

@@ -21,6 +21,7 @@ no such request of its own: L2 stores are asynchronous and only the HTTP fronten
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,7 @@ class KVStoreStatusModule:
 
     @server_module_handler(STATUS_METHOD)
     def l2_status(self, payload: bytes) -> bytes:
-        """JSON: ``{"idle": bool, "l1_used_bytes", "l1_total_bytes", "num_l2_adapters",
+        """JSON: ``{"pid", "idle": bool, "l1_used_bytes", "l1_total_bytes", "num_l2_adapters",
         "store_controllers": {...}, "l2_adapters": [...]}``.
 
         ``idle`` is true when no L1 store controller has keys queued or L2 store tasks
@@ -69,6 +70,7 @@ class KVStoreStatusModule:
         )
         used, total = self._ctx.storage_manager.get_l1_usage()
         answer = {
+            "pid": os.getpid(),
             "idle": idle,
             "l1_used_bytes": used,
             "l1_total_bytes": total,

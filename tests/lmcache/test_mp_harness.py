@@ -162,3 +162,15 @@ def test_start_failure_reports_the_log(tmp_path: Path) -> None:
         server.start()
     assert "exited with code" in str(err.value)
     assert not server.running
+
+
+def test_port_held_by_another_server_is_not_taken_for_ready(
+    fs_server: tuple[MPServer, Path], tmp_path: Path
+) -> None:
+    running, _ = fs_server
+    clash = MPServer(
+        [], port=running.port, l1_size_gb=0.05, log_path=tmp_path / "server.log", start_timeout=60
+    )
+    with pytest.raises(MPServerError, match="Address already in use"):
+        clash.start()  # the running server answers the probe, but with its own pid
+    assert not clash.running and running.running
