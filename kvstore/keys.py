@@ -97,7 +97,13 @@ def check_object_name(name: str) -> str:
     """
     if not isinstance(name, str) or not name:
         raise InvalidKeyError("object name must be a non-empty string")
-    if len(name.encode("utf-8")) > MAX_NAME_LEN:
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate: no backend can store it
+        raise InvalidKeyError(
+            f"object name {printable_name(name)} is not valid Unicode ({exc.reason})"
+        ) from None
+    if len(encoded) > MAX_NAME_LEN:
         raise InvalidKeyError(f"object name longer than {MAX_NAME_LEN} bytes; build names with ChunkKey")
     if "\x00" in name or "\\" in name:
         raise InvalidKeyError("object name contains NUL or backslash")

@@ -23,6 +23,7 @@ from kvstore.backends import Alloc, Backend, open_backend
 from kvstore.backends.base import redact_url
 from kvstore.codec.base import CodecUnavailableError
 from kvstore.frame import Frame, FrameError, decode_frame
+from kvstore.keys import InvalidKeyError, check_object_name
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +41,16 @@ class TierCounters:
     undecodable: int = 0
     put_ok: int = 0
     put_failed: int = 0
+
+
+def _storable(name: str) -> bool:
+    """Whether `name` is a valid object name (else that item alone fails, logged)."""
+    try:
+        check_object_name(name)
+    except InvalidKeyError as exc:
+        log.warning("kvstore: refusing object name: %s", exc)
+        return False
+    return True
 
 
 class Tier:
@@ -64,8 +75,10 @@ class Tier:
         another core) and written one by one, concurrently.
         """
         ok = [False] * len(items)
-        small = [i for i, (_, t) in enumerate(items) if t.nbytes < OFFLOAD_BYTES]
-        large = [i for i, (_, t) in enumerate(items) if t.nbytes >= OFFLOAD_BYTES]
+        valid = [i for i, (name, _) in enumerate(items) if _storable(name)]  # others: that item's False
+        self.counters.put_failed += len(items) - len(valid)
+        small = [i for i in valid if items[i][1].nbytes < OFFLOAD_BYTES]
+        large = [i for i in valid if items[i][1].nbytes >= OFFLOAD_BYTES]
 
         def frame(i: int) -> tuple[str, list[memoryview]]:
             name, tensor = items[i]

@@ -23,17 +23,28 @@ Primitives (all batched; one call moves many objects):
 * ``stats() -> BackendStats``, ``close()``.
 
 Faults (server down, disk full, permission denied) are counted in `stats()` and turned
-into False / None; only programming errors (bad arguments) raise.
+into False / None; only programming errors (bad arguments) raise.  A fault of one
+object (a file that is a directory, a key of the wrong type, a name that cannot be
+encoded) stays that object's: the rest of the batch is served.  An object larger than
+`Backend.max_object_bytes` (URL option ``max_object_size``, default 1GiB) is neither
+stored nor read into memory: puts refuse it, and a stored one (a file extended, a
+manifest claiming a huge total) is a miss, quarantined where the backend wrote it.
+What a listing could not read is recorded in `Backend.unlisted` (what, why) instead of
+ending the listing.
 """
 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Union
 
-from kvstore.config import redact_url
+from kvstore.config import option_size, redact_url
+from kvstore.keys import printable_name
+
+log = logging.getLogger(__name__)
 
 Buffer = Union[bytes, bytearray, memoryview]
 Value = Union[Buffer, Sequence[Buffer]]
@@ -108,6 +119,10 @@ class BackendStats:
         return asdict(self)
 
 
+DEFAULT_MAX_OBJECT = 1 << 30
+MAX_OBJECT_OPTION = "max_object_size"
+
+
 class Backend(abc.ABC):
     """An async, batched object store of bytes.  See the module docstring."""
 
@@ -116,6 +131,29 @@ class Backend(abc.ABC):
     def __init__(self, url: str) -> None:
         self.url = url
         self.counters = Counters()
+        self.max_object_bytes = DEFAULT_MAX_OBJECT
+        self.unlisted: list[tuple[str, str]] = []  # (what, why) a listing could not read
+
+    def set_max_object(self, value: str | int | None) -> None:
+        """Apply the ``max_object_size`` URL option (None keeps the default)."""
+        if value is not None:
+            self.max_object_bytes = (
+                option_size(MAX_OBJECT_OPTION, value, unbounded=False) or DEFAULT_MAX_OBJECT
+            )
+
+    def too_large(self, name: str, size: int) -> bool:
+        """Whether `size` bytes exceed `max_object_bytes` (logged once per call)."""
+        if size <= self.max_object_bytes:
+            return False
+        log.warning(
+            "kvstore: %s is %d bytes, over %s=%d; not read into memory (raise %s if it is real)",
+            printable_name(name),
+            size,
+            MAX_OBJECT_OPTION,
+            self.max_object_bytes,
+            MAX_OBJECT_OPTION,
+        )
+        return True
 
     @classmethod
     @abc.abstractmethod

@@ -41,6 +41,7 @@ import hashlib
 import itertools
 import logging
 import os
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
@@ -51,6 +52,7 @@ from urllib.parse import quote, unquote, urlsplit
 import aiofiles.os
 
 from kvstore.backends.base import (
+    MAX_OBJECT_OPTION,
     Alloc,
     Backend,
     BackendStats,
@@ -64,7 +66,7 @@ from kvstore.backends.base import (
 from kvstore.backends.stream import STREAM_BLOCK, StreamSink
 from kvstore.config import option_int, option_size, parse_bool, url_options
 from kvstore.eviction import Evictor, LRUEvictor
-from kvstore.keys import InvalidKeyError, check_object_name
+from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -132,11 +134,25 @@ def _write_object(path: Path, name: str, parts: list[memoryview], size: int, fsy
         raise
 
 
+class _Defective(Exception):
+    """What is at an object's path cannot be that object (a directory, a file larger than
+    any object written here); the reader quarantines it and serves a miss."""
+
+
+def _check_stat(st: os.stat_result, max_size: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise _Defective("not a regular file")
+    if st.st_size > max_size:
+        raise _Defective(f"{st.st_size} bytes, over {MAX_OBJECT_OPTION}={max_size}")
+
+
 @aiofiles.os.wrap
-def _open_read(path: Path) -> tuple[int, int]:
+def _open_read(path: Path, max_size: int) -> tuple[int, int]:
     fd = os.open(path, os.O_RDONLY | _CLOEXEC)
     try:
-        return fd, os.fstat(fd).st_size
+        st = os.fstat(fd)
+        _check_stat(st, max_size)
+        return fd, st.st_size
     except BaseException:
         os.close(fd)
         raise
@@ -165,7 +181,10 @@ def _read_sized(path: Path, buf: memoryview) -> int:
     """Open, read the whole object into `buf` and close: -1 if its size is not len(buf)."""
     fd = os.open(path, os.O_RDONLY | _CLOEXEC)
     try:
-        if os.fstat(fd).st_size != len(buf):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Defective("not a regular file")
+        if st.st_size != len(buf):
             return -1  # rewritten since it was indexed: the caller asks again
         return _pread_into(fd, buf)
     finally:
@@ -173,11 +192,13 @@ def _read_sized(path: Path, buf: memoryview) -> int:
 
 
 @aiofiles.os.wrap
-def _read_streamed(path: Path, sink: StreamSink) -> tuple[int, int, object]:
+def _read_streamed(path: Path, sink: StreamSink, max_size: int) -> tuple[int, int, object]:
     """(object size, bytes read, the sink's verdict); see `kvstore.backends.stream`."""
     fd = os.open(path, os.O_RDONLY | _CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        _check_stat(st, max_size)
+        size = st.st_size
         head = memoryview(bytearray(min(size, sink.head)))
         got = _pread_into(fd, head)
         where = sink.body(head[:got], size)
@@ -207,8 +228,10 @@ class DiskBackend(Backend):
         concurrency: int = 4,
         evictor: Evictor | None = None,
         url: str | None = None,
+        max_object: int | str | None = None,
     ) -> None:
         super().__init__(url or Path(root).absolute().as_uri())
+        self.set_max_object(max_object)
         option_int("concurrency", concurrency)
         if capacity is not None:
             option_size("capacity", capacity)
@@ -237,18 +260,25 @@ class DiskBackend(Backend):
             )
         if not parts.path:
             raise ValueError(f"{redact_url(url)!r} has no path; write file:///var/cache/kvstore")
-        opts = url_options(url, {"capacity", "fsync", "concurrency"})
+        opts = url_options(url, {"capacity", "fsync", "concurrency", MAX_OBJECT_OPTION})
         return cls(
             unquote(parts.path),
             capacity=option_size("capacity", opts.get("capacity")),
             fsync=parse_bool(opts.get("fsync"), True),
             concurrency=option_int("concurrency", opts.get("concurrency", 4)),
             url=url,
+            max_object=opts.get(MAX_OBJECT_OPTION),
         )
 
     # ---- index --------------------------------------------------------------
-    def _entries(self, *, clean: bool = False) -> list[tuple[str, os.stat_result]]:
-        """(name, stat) of every stored object; with `clean`, remove unfinished writes."""
+    def _entries(
+        self, *, clean: bool = False, problems: list[tuple[str, str]] | None = None
+    ) -> list[tuple[str, os.stat_result]]:
+        """(name, stat) of every stored object; with `clean`, remove unfinished writes.
+
+        What cannot be an object (a directory or other non-file where an object's file
+        would be, an unreadable side file) is left out and described in `problems`.
+        """
         out = []
         for shard in os.scandir(self.objects_dir):
             if not shard.is_dir():
@@ -264,14 +294,27 @@ class DiskBackend(Backend):
                 if entry.name.endswith(".name"):
                     continue
                 name = self._name_of(entry)
-                if clean and name is not None and entry.name.startswith("~"):
+                if name is None:
+                    if problems is not None:
+                        problems.append((entry.path, "long-name file without a readable .name side file"))
+                    continue
+                if clean and entry.name.startswith("~"):
                     name = self._rename_legacy(entry, name)
+                    if name is None:
+                        continue
                 try:
                     st = entry.stat()
                 except FileNotFoundError:
                     continue
-                if name is not None:
-                    out.append((name, st))
+                except OSError as exc:
+                    if problems is not None:
+                        problems.append((name, f"cannot stat: {exc}"))
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    if problems is not None:
+                        problems.append((name, "not a regular file"))
+                    continue
+                out.append((name, st))
         return out
 
     def _scan(self) -> None:
@@ -334,7 +377,7 @@ class DiskBackend(Backend):
             return False
         parts = as_parts(value)
         size = parts_len(parts)
-        if self.capacity is not None and size > self.capacity:
+        if (self.capacity is not None and size > self.capacity) or self.too_large(name, size):
             self.counters.rejected += 1
             return False
         async with self._sem:
@@ -403,12 +446,12 @@ class DiskBackend(Backend):
     async def _get_one(self, name: str, alloc: Alloc) -> memoryview | None:
         async def read() -> tuple[int, int, memoryview]:
             size = self._sizes.get(name)
-            if size is not None:  # known size: allocate first, then one hop
+            if size is not None and size <= self.max_object_bytes:  # known size: allocate, one hop
                 buf = alloc(size)[:size]
                 got = await _read_sized(self.path_of(name), buf)
                 if got >= 0:
                     return size, got, buf[:got]
-            fd, size = await _open_read(self.path_of(name))
+            fd, size = await _open_read(self.path_of(name), self.max_object_bytes)
             try:
                 buf = alloc(size)[:size]
             except BaseException:
@@ -426,7 +469,7 @@ class DiskBackend(Backend):
         return list(
             await asyncio.gather(
                 *(
-                    self._tracked_read(n, partial(_read_streamed, self.path_of(n), s))
+                    self._tracked_read(n, partial(_read_streamed, self.path_of(n), s, self.max_object_bytes))
                     for n, s in zip(names, sinks)
                 )
             )
@@ -448,6 +491,11 @@ class DiskBackend(Backend):
         except FileNotFoundError:
             self._index_drop(name)
             self.counters.misses += 1
+            return None
+        except _Defective as exc:
+            log.warning("kvstore disk: %s cannot be an object (%s); quarantined", printable_name(name), exc)
+            self.counters.misses += 1
+            await self.quarantine(name, f"{type(exc).__name__}: {exc}")
             return None
         except OSError as exc:
             log.warning("kvstore disk: read of %s failed: %s", name, exc)
@@ -473,8 +521,8 @@ class DiskBackend(Backend):
     async def _head(self, name: str, nbytes: int) -> memoryview | None:
         try:
             check_object_name(name)
-            fd, size = await _open_read(self.path_of(name))
-        except (InvalidKeyError, OSError):
+            fd, size = await _open_read(self.path_of(name), 1 << 62)
+        except (InvalidKeyError, OSError, _Defective):
             return None
         buf = memoryview(bytearray(min(size, nbytes)))
         try:
@@ -496,6 +544,9 @@ class DiskBackend(Backend):
             except (InvalidKeyError, OSError):
                 out.append(False)
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                out.append(False)
+                continue
             self._index_add(name, st.st_size)
             out.append(True)
         return out
@@ -513,7 +564,10 @@ class DiskBackend(Backend):
         return out
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        entries = await asyncio.to_thread(self._entries)
+        problems: list[tuple[str, str]] = []
+        entries = await asyncio.to_thread(partial(self._entries, problems=problems))
+        # a problem is named by its object name, or by its path when the name is unknown
+        self.unlisted.extend(p for p in problems if p[0].startswith(prefix) or os.path.isabs(p[0]))
         for name, st in sorted(entries, key=lambda e: e[0]):
             if name.startswith(prefix):
                 yield ObjectInfo(name, st.st_size, st.st_mtime)

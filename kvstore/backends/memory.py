@@ -15,7 +15,16 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from kvstore.backends.base import Alloc, Backend, BackendStats, ObjectInfo, Value, as_parts, redact_url
+from kvstore.backends.base import (
+    MAX_OBJECT_OPTION,
+    Alloc,
+    Backend,
+    BackendStats,
+    ObjectInfo,
+    Value,
+    as_parts,
+    redact_url,
+)
 from kvstore.config import option_size, url_options
 from kvstore.eviction import Evictor, LRUEvictor
 from kvstore.keys import InvalidKeyError, check_object_name
@@ -46,8 +55,10 @@ class MemoryBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str) -> MemoryBackend:
-        opts = url_options(url, {"capacity"})
-        return cls(url, capacity=option_size("capacity", opts.get("capacity")))
+        opts = url_options(url, {"capacity", MAX_OBJECT_OPTION})
+        backend = cls(url, capacity=option_size("capacity", opts.get("capacity")))
+        backend.set_max_object(opts.get(MAX_OBJECT_OPTION))
+        return backend
 
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
         import time
@@ -62,7 +73,7 @@ class MemoryBackend(Backend):
                 continue
             parts = as_parts(value)
             size = sum(p.nbytes for p in parts)
-            if self.capacity is not None and size > self.capacity:
+            if (self.capacity is not None and size > self.capacity) or self.too_large(name, size):
                 self.counters.rejected += 1
                 out.append(False)
                 continue

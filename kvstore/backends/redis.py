@@ -44,10 +44,12 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from kvstore.backends import redis_layout as layout
 from kvstore.backends.base import (
+    DEFAULT_MAX_OBJECT,
+    MAX_OBJECT_OPTION,
     Alloc,
     Backend,
     BackendStats,
@@ -61,7 +63,7 @@ from kvstore.backends.base import (
 )
 from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.config import option_float, option_int, option_size
-from kvstore.keys import InvalidKeyError, check_object_name
+from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ _OPTIONS = {
     "timeout",
     "connect_timeout",
     "max_connections",
+    MAX_OBJECT_OPTION,
 }
 _REDIS_PY_OPTIONS = {
     "db",
@@ -103,6 +106,7 @@ class RedisOptions:
     seconds_per_64mib: float = 1.0
     connect_timeout: float = 1.0
     max_connections: int = 32
+    max_object: int = DEFAULT_MAX_OBJECT
 
     def deadline(self, nbytes: int) -> float:
         """Seconds a batch moving `nbytes` may take before it is abandoned."""
@@ -137,6 +141,8 @@ def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
             ours[k] = option_size(k, v)
         elif k in ("inflight", "max_connections"):
             ours[k] = option_int(k, v)
+        elif k == MAX_OBJECT_OPTION:
+            ours["max_object"] = option_size(k, v, unbounded=False)
         elif k == "prefix":
             ours[k] = layout.check_prefix(v)
         elif k in _REDIS_PY_OPTIONS:
@@ -161,6 +167,7 @@ class RedisBackend(Backend):
         super().__init__(url)
         self.client = client
         self.options = options or RedisOptions()
+        self.max_object_bytes = self.options.max_object
         self.cluster = isinstance(client, RedisCluster)
         self._ttls = dict(self.options.ttl_by_namespace)
         self._big = asyncio.Semaphore(self.options.inflight)
@@ -300,6 +307,10 @@ class RedisBackend(Backend):
                 continue
             parts = as_parts(value)
             size = sizes[i] = parts_len(parts)
+            if self.too_large(name, size):
+                self.counters.rejected += 1
+                sizes[i] = 0
+                continue
             ttl = layout.ttl_ms_for(name, self._ttls, self.options.ttl)
             if size > self.options.part_size:
                 jobs.append(self._put_multi(i, name, parts, size, ttl, ok))
@@ -401,11 +412,24 @@ class RedisBackend(Backend):
         return out
 
     async def _strlens(self, names: Sequence[str], idx: list[int], sizes: dict[int, int]) -> None:
+        """Sizes of the values at `idx`; a key of another type (an error reply for that key
+        alone) or a value larger than any object written here is that object's miss."""
         pipe = self.client.pipeline(transaction=False)
         for i in idx:
             pipe.strlen(layout.data_key(self.options.prefix, names[i]))
-        for i, r in zip(idx, await pipe.execute()):
-            sizes[i] = int(r)
+        for i, r in zip(idx, await pipe.execute(raise_on_error=False)):
+            if isinstance(r, Exception):
+                self._foreign(names[i], r)
+            elif self.too_large(names[i], int(r)):
+                await self.quarantine(names[i], f"value of {int(r)} bytes, over {MAX_OBJECT_OPTION}")
+            else:
+                sizes[i] = int(r)
+
+    def _foreign(self, name: str, exc: BaseException) -> None:
+        """A key of ours holding something kvstore never writes (e.g. WRONGTYPE): a miss,
+        left alone (it is not a value of ours to quarantine)."""
+        self.counters.get_errors += 1
+        log.warning("redis: %s is not a kvstore value (%s); served as a miss", printable_name(name), exc)
 
     def _place(self, data: bytes, alloc: Alloc | None) -> memoryview:
         """The reply as the caller wants it: a view of hiredis's bytes (no copy, read-only)
@@ -425,6 +449,11 @@ class RedisBackend(Backend):
         if len(data) == layout.MANIFEST_LEN:
             manifest = layout.decode_manifest(data)
             if manifest is not None:
+                if self.too_large(name, manifest.total):
+                    await self.quarantine(
+                        name, f"manifest claims {manifest.total} bytes, over {MAX_OBJECT_OPTION}"
+                    )
+                    return None
                 budget.nbytes += manifest.total
                 return await self._get_parts(name, manifest, alloc)
         return self._place(data, alloc)
@@ -435,14 +464,21 @@ class RedisBackend(Backend):
         pipe = self.client.pipeline(transaction=False)
         for i in idx:
             pipe.get(layout.data_key(self.options.prefix, names[i]))
-        for i, data in zip(idx, await pipe.execute()):
+        for i, data in zip(idx, await pipe.execute(raise_on_error=False)):
+            if isinstance(data, Exception):
+                self._foreign(names[i], data)
+                continue
             out[i] = await self._resolve(names[i], data, alloc, budget)
 
     async def _get_big(
         self, names: Sequence[str], i: int, alloc: Alloc | None, out: list, budget: Budget
     ) -> None:
         async with self._big:
-            data = await self.client.get(layout.data_key(self.options.prefix, names[i]))
+            try:
+                data = await self.client.get(layout.data_key(self.options.prefix, names[i]))
+            except ResponseError as exc:  # this key's own error (WRONGTYPE), not the server's
+                self._foreign(names[i], exc)
+                return
         out[i] = await self._resolve(names[i], data, alloc, budget)
 
     async def _get_parts(
@@ -533,10 +569,15 @@ class RedisBackend(Backend):
         for n in names:
             pipe.getrange(layout.data_key(self.options.prefix, n), 0, layout.MANIFEST_LEN)
             pipe.strlen(layout.data_key(self.options.prefix, n))
-        replies = await asyncio.wait_for(pipe.execute(), self.options.timeout)
+        replies = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.options.timeout)
         out = []
         for k, n in enumerate(names):
-            head, size = replies[2 * k], int(replies[2 * k + 1])
+            head, size = replies[2 * k], replies[2 * k + 1]
+            if isinstance(head, Exception) or isinstance(size, Exception):
+                err = head if isinstance(head, Exception) else size
+                self.unlisted.append((n, f"not a kvstore value: {err}"))
+                continue
+            size = int(size)
             if size == 0:
                 continue  # expired or deleted since SCAN saw it
             manifest = layout.decode_manifest(head) if size == layout.MANIFEST_LEN else None

@@ -149,6 +149,7 @@ class S3Backend(Backend):
         super().__init__(url)
         self.options = options or S3Options.from_url(url)
         o = self.options
+        self.max_object_bytes = o.max_object_size
         self.breaker = CircuitBreaker(
             failure_threshold=o.breaker_failures,
             reset_after=o.breaker_reset,
@@ -314,7 +315,12 @@ class S3Backend(Backend):
             except InvalidKeyError:
                 self.counters.put_errors += 1
                 continue
-            jobs.append((i, key, as_parts(value)))
+            parts = as_parts(value)
+            if self.too_large(name, sum(p.nbytes for p in parts)):
+                self.counters.rejected += 1
+                self.counters.put_errors += 1
+                continue
+            jobs.append((i, key, parts))
         if not jobs:
             return out
         if not await self._ready():
@@ -409,7 +415,7 @@ class S3Backend(Backend):
                 self.counters.get_bytes += res.nbytes
         return out
 
-    async def _get_one(self, key: str, alloc: Alloc) -> memoryview:
+    async def _get_one(self, key: str, alloc: Alloc) -> memoryview | None:
         """GET the first `range_size` bytes; the rest in parallel ranges into the same buffer."""
         o, client = self.options, self._client
         assert self._sem is not None
@@ -426,6 +432,10 @@ class S3Backend(Backend):
                     resp = await client.get_object(Bucket=o.bucket, Key=key)
                 first = int(resp["ContentLength"])
                 total = _total_size(resp.get("ContentRange"), first)
+                if self.too_large(self.options.name(key), total):  # never written here: a miss
+                    resp["Body"].close()
+                    self.counters.rejected += 1
+                    return None
                 view = alloc(total)[:total]
                 if view.nbytes != total:
                     resp["Body"].close()

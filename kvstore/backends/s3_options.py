@@ -33,6 +33,7 @@ breaker_failures               5                consecutive failures that open t
 breaker_reset                  1.0              seconds before an open breaker lets a probe by
 contains                       auto             head | list | auto (list for large batches)
 contains_list_min              128              batch size from which auto uses a listing
+max_object_size                1GiB             larger objects are neither written nor read
 =============================  ===============  ===========================================
 """
 
@@ -41,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from kvstore.backends.base import DEFAULT_MAX_OBJECT
 from kvstore.config import parse_size, redact_url, url_options
 
 _CHECKSUM = ("when_required", "when_supported")
@@ -73,6 +75,7 @@ class S3Options:
     breaker_reset: float = 1.0
     contains: str = "auto"
     contains_list_min: int = 128
+    max_object_size: int = DEFAULT_MAX_OBJECT
 
     @classmethod
     def from_url(cls, url: str) -> S3Options:
@@ -120,7 +123,7 @@ class S3Options:
         for name in ("concurrency", "max_attempts", "breaker_failures", "contains_list_min"):
             if name in opts:
                 kw[name] = positive(name, int)
-        for name in ("multipart_threshold", "part_size", "range_threshold", "range_size"):
+        for name in ("multipart_threshold", "part_size", "range_threshold", "range_size", "max_object_size"):
             if name in opts:
                 kw[name] = positive(name, parse_size)
         for name in ("timeout", "connect_timeout", "read_timeout", "breaker_reset"):

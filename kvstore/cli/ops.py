@@ -65,6 +65,13 @@ def _bar(total: int, desc: str, quiet: bool) -> Any:
     )
 
 
+def _report_unlisted(unlisted: list[tuple[str, str]]) -> bool:
+    """Say on stderr what a listing could not read; True if there was anything."""
+    for what, why in unlisted:
+        click.echo(f"unreadable, not listed: {printable_name(what)}: {printable_name(why)}", err=True)
+    return bool(unlisted)
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -165,7 +172,7 @@ def migrate(
             click.echo(f"corrupt in source, skipped: {printable_name(name)}", err=True)
         for name in report.failed:
             click.echo(f"failed: {printable_name(name)}", err=True)
-    if report.failed or report.corrupt:
+    if _report_unlisted(report.unlisted) or report.failed or report.corrupt:
         sys.exit(EXIT_FAILURES)
 
 
@@ -178,15 +185,18 @@ def ls(url: str, prefix: str, namespace: str | None, as_json: bool) -> None:
     """List objects under PREFIX with their sizes and ages."""
     from kvstore.ops.inspect import list_objects
 
-    async def main(b: Backend) -> list[Any]:
-        return await list_objects(b, prefix, namespace)
+    async def main(b: Backend) -> tuple[list[Any], list[tuple[str, str]]]:
+        return await list_objects(b, prefix, namespace), list(b.unlisted)
 
     now = time.time()
-    for info in _run(main, (url, "URL")):
+    objects, unlisted = _run(main, (url, "URL"))
+    for info in objects:
         if as_json:
             click.echo(json.dumps({"name": info.name, "size": info.size, "mtime": info.mtime}))
         else:
             click.echo(f"{info.size:>12}  {(now - info.mtime) / 3600:8.1f}h  {printable_name(info.name)}")
+    if _report_unlisted(unlisted):
+        sys.exit(EXIT_FAILURES)
 
 
 @click.command()
@@ -202,8 +212,12 @@ def stat(url: str, prefix: str, namespace: str | None, as_json: bool) -> None:
         return await stat_store(b, prefix, namespace)
 
     st = _run(main, (url, "URL"))
+    failed = bool(st.unlisted or st.unreadable)
     if as_json:
         click.echo(json.dumps(st.to_dict()))
+        _report_unlisted(st.unlisted)
+        if failed:
+            sys.exit(EXIT_FAILURES)
         return
     click.echo(f"{st.url}: {st.objects} objects, {_human(st.bytes)}")
     for title, groups in (
@@ -214,7 +228,11 @@ def stat(url: str, prefix: str, namespace: str | None, as_json: bool) -> None:
     ):
         click.echo(f"  by {title}:")
         for key, g in sorted(groups.items(), key=lambda kv: -kv[1].bytes):
-            click.echo(f"    {key:<40} {g.objects:>9} objects {_human(g.bytes):>12}")
+            click.echo(f"    {printable_name(key):<40} {g.objects:>9} objects {_human(g.bytes):>12}")
+    if st.unreadable:
+        click.echo(f"{st.unreadable} objects with unreadable frame headers (run kvstore verify)", err=True)
+    if _report_unlisted(st.unlisted) or failed:
+        sys.exit(EXIT_FAILURES)
 
 
 @click.command()
@@ -245,7 +263,7 @@ def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: b
             click.echo(f"bad: {printable_name(name)}: {printable_name(why)}", err=True)
         if report.quarantined:
             click.echo(f"quarantined {report.quarantined}")
-    if report.bad:
+    if _report_unlisted(report.unlisted) or report.bad:
         sys.exit(EXIT_FAILURES)
 
 
@@ -294,3 +312,5 @@ def gc(
             f"({_human(report.deleted_bytes)}); {_human(report.after_bytes)} remain"
             + (f"; {report.leftovers_removed} leftover parts removed" if report.leftovers_removed else "")
         )
+    if _report_unlisted(report.unlisted):
+        sys.exit(EXIT_FAILURES)

@@ -42,8 +42,11 @@ def age_bucket(age_s: float) -> str:
 
 
 async def list_objects(backend: Backend, prefix: str = "", namespace: str | None = None) -> list[ObjectInfo]:
+    """The objects under `prefix`; what the listing could not read is left in
+    ``backend.unlisted`` (cleared first), for the caller to report."""
     if namespace is not None:
         prefix = max(prefix, namespace_prefix(namespace), key=len)
+    backend.unlisted.clear()
     return [i async for i in backend.list(prefix)]
 
 
@@ -84,6 +87,7 @@ class StoreStats:
     by_codec: dict[str, Group] = field(default_factory=dict)
     by_age: dict[str, Group] = field(default_factory=dict)
     unreadable: int = 0
+    unlisted: list[tuple[str, str]] = field(default_factory=list)  # (what, why) not listed
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,7 +97,7 @@ async def stat_store(backend: Backend, prefix: str = "", namespace: str | None =
     objects = await list_objects(backend, prefix, namespace)
     headers = await read_headers(backend, [o.name for o in objects])
     now = time.time()
-    st = StoreStats(url=redact_url(backend.url))
+    st = StoreStats(url=redact_url(backend.url), unlisted=list(backend.unlisted))
     for info, header in zip(objects, headers):
         ns, model = describe(info.name)
         codec = header.codec if header is not None else "unreadable"
@@ -120,6 +124,7 @@ class VerifyReport:
     bad: dict[str, str] = field(default_factory=dict)
     missing: int = 0
     quarantined: int = 0
+    unlisted: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,27 +141,38 @@ async def verify_store(
     """Read and check every frame under `prefix`; with `quarantine`, move bad ones aside."""
     option_int("concurrency", concurrency)
     objects = await list_objects(backend, prefix)
-    report = VerifyReport(url=redact_url(backend.url))
+    report = VerifyReport(url=redact_url(backend.url), unlisted=list(backend.unlisted))
     queue: asyncio.Queue[ObjectInfo] = asyncio.Queue()
     for o in objects:
         queue.put_nowait(o)
 
+    async def bad(name: str, why: str) -> None:
+        report.bad[name] = why
+        if quarantine:
+            await backend.quarantine(name, why)
+            report.quarantined += 1
+
+    async def check(info: ObjectInfo) -> None:
+        if info.size > backend.max_object_bytes:  # never read into memory
+            await bad(
+                info.name, f"TooLarge: {info.size} bytes, over max_object_size={backend.max_object_bytes}"
+            )
+            return
+        (raw,) = await backend.get_many([info.name])
+        if raw is None:
+            report.missing += 1
+            return
+        try:
+            decode_frame(raw, key=info.name)
+            report.ok += 1
+        except FrameError as exc:
+            await bad(info.name, f"{type(exc).__name__}: {exc}")
+
     async def worker() -> None:
         while not queue.empty():
             info = queue.get_nowait()
-            (raw,) = await backend.get_many([info.name])
             report.checked += 1
-            if raw is None:
-                report.missing += 1
-            else:
-                try:
-                    decode_frame(raw, key=info.name)
-                    report.ok += 1
-                except FrameError as exc:
-                    report.bad[info.name] = f"{type(exc).__name__}: {exc}"
-                    if quarantine:
-                        await backend.quarantine(info.name, report.bad[info.name])
-                        report.quarantined += 1
+            await check(info)
             if progress:
                 progress(info.size)
 
@@ -174,6 +190,7 @@ class GcReport:
     deleted_bytes: int = 0
     after_bytes: int = 0
     leftovers_removed: int = 0
+    unlisted: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -197,7 +214,7 @@ async def gc_store(
     objects = await list_objects(backend, prefix, namespace)
     headers = await read_headers(backend, [o.name for o in objects])
     created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(objects, headers)}
-    report = GcReport(url=redact_url(backend.url), dry_run=dry_run)
+    report = GcReport(url=redact_url(backend.url), dry_run=dry_run, unlisted=list(backend.unlisted))
     report.before_objects = len(objects)
     report.before_bytes = sum(o.size for o in objects)
     now = time.time()

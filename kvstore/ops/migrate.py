@@ -101,6 +101,7 @@ class MigrationReport:
     deleted: int = 0
     corrupt: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    unlisted: list[tuple[str, str]] = field(default_factory=list)  # (what, why) not listed
     seconds: float = 0.0
 
     @property
@@ -203,6 +204,8 @@ def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> b
 
 
 async def list_matching(src: Backend, opts: MigrateOptions) -> list[ObjectInfo]:
+    """Matching source objects; what the listing could not read is left in ``src.unlisted``."""
+    src.unlisted.clear()
     return [info async for info in src.list(opts.listing_prefix()) if opts.matches(info.name)]
 
 
@@ -229,6 +232,7 @@ async def migrate(
     if objects is None:
         objects = await list_matching(src, opts)
     report.listed = len(objects)
+    report.unlisted = list(src.unlisted)
     report.listed_bytes = sum(o.size for o in objects)
     target = codecs.get(opts.recode, **opts.recode_options) if opts.recode else None
     journal = Journal(opts.journal or journal_path(src, dst, opts), fresh=opts.fresh)
@@ -272,6 +276,10 @@ async def migrate(
 
     async def copy_object(info: ObjectInfo, alloc: Callable[[int], memoryview]) -> None:
         name = info.name
+        if info.size > src.max_object_bytes:  # not read into memory: corrupt, never deleted
+            log.error("kvstore migrate: source object %s is %d bytes, over max_object_size", name, info.size)
+            report.corrupt.append(name)
+            return
         (raw,) = await src.get_many([name], alloc)
         if raw is None:
             log.warning("kvstore migrate: %s vanished from the source", name)
