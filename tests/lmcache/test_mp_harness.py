@@ -106,6 +106,7 @@ def test_clear_l1_then_retrieve_from_l2(fs_server: tuple[MPServer, Path]) -> Non
         assert hit == 2 * CHUNK and torch.equal(got, kv)
 
 
+@pytest.mark.slow  # two server starts: ~20 s on a quiet machine, over 30 s under load
 def test_restart_after_sigkill_finds_chunks_in_l2(tmp_path: Path) -> None:
     l2 = tmp_path / "l2"
     server = MPServer([fs_l2_adapter(l2)], chunk_size=CHUNK, l1_size_gb=0.1, log_path=tmp_path / "server.log")
