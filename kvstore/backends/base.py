@@ -13,7 +13,9 @@ Primitives (all batched; one call moves many objects):
 * ``get_many(names, alloc=None) -> [memoryview | None]``  None = miss.  With `alloc`,
   the object is read into ``alloc(size)`` (a caller's buffer of at least `size` bytes)
   and the returned view points into it.
-* ``contains_many(names) -> [bool]``, ``delete_many(names) -> [bool]`` (True = existed).
+* ``contains_many(names) -> [bool]``, ``delete_many(names) -> [bool]`` (True = existed
+  and is gone now; an object that could not be deleted is False, counted in
+  ``delete_errors``, never reported deleted).
 * ``list(prefix) -> AsyncIterator[ObjectInfo]`` with sizes.
 * ``quarantine(name, reason)`` takes a corrupt object out of service (default: delete).
 * ``read_heads(names, nbytes)`` the first `nbytes` of each object (frame headers for
@@ -99,6 +101,7 @@ class Counters:
     get_bytes: int = 0
     get_errors: int = 0
     deletes: int = 0
+    delete_errors: int = 0
     evictions: int = 0
     quarantined: int = 0
     rejected: int = 0

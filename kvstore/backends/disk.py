@@ -418,26 +418,31 @@ class DiskBackend(Backend):
                 async with self._write_done:  # writes in flight become evictable when done
                     await self._write_done.wait()
                 continue
-            await self._remove(victim)
+            if not await self._remove(victim) and victim in self._sizes:
+                return False  # cannot delete (read-only file system): nothing fits
             self.counters.evictions += 1
         return True
 
     async def _remove(self, name: str) -> bool:
-        existed = self._index_drop(name) is not None
+        """True if the object existed and is gone now.  False if it was not there, or if
+        it could not be removed (counted in ``delete_errors``; it stays indexed)."""
         path = self.path_of(name)
         try:
             await aiofiles.os.remove(path)
-            existed = True
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError:  # gone already (another process deleted it)
+            self._index_drop(name)
+            return False
         except OSError as exc:
-            log.warning("kvstore disk: could not remove %s: %s", name, exc)
+            log.error("kvstore disk: could not remove %s: %s", printable_name(name), exc)
+            self.counters.delete_errors += 1
+            return False
+        self._index_drop(name)
         if path.name.startswith("~"):
             try:
                 await aiofiles.os.remove(f"{path}.name")
             except OSError:
                 pass
-        return existed
+        return True
 
     # ---- get ----------------------------------------------------------------
     async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:

@@ -312,5 +312,7 @@ def gc(
             f"({_human(report.deleted_bytes)}); {_human(report.after_bytes)} remain"
             + (f"; {report.leftovers_removed} leftover parts removed" if report.leftovers_removed else "")
         )
-    if _report_unlisted(report.unlisted):
+    for name in report.not_deleted:
+        click.echo(f"could not delete: {printable_name(name)}", err=True)
+    if _report_unlisted(report.unlisted) or report.not_deleted:
         sys.exit(EXIT_FAILURES)

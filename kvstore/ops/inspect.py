@@ -191,6 +191,7 @@ class GcReport:
     after_bytes: int = 0
     leftovers_removed: int = 0
     unlisted: list[tuple[str, str]] = field(default_factory=list)
+    not_deleted: list[str] = field(default_factory=list)  # chosen, but still there after delete
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -232,9 +233,15 @@ async def gc_store(
                 doomed.append(o)
                 remaining -= o.size
     if not dry_run:
-        names = [o.name for o in doomed]
-        for start in range(0, len(names), 500):
-            await backend.delete_many(names[start : start + 500])
+        kept: set[str] = set()
+        for start in range(0, len(doomed), 500):
+            batch = [o.name for o in doomed[start : start + 500]]
+            gone = await backend.delete_many(batch)
+            missed = [n for n, g in zip(batch, gone) if not g]  # absent already, or not deletable?
+            if missed:
+                kept.update(n for n, there in zip(missed, await backend.contains_many(missed)) if there)
+        report.not_deleted = [o.name for o in doomed if o.name in kept]
+        doomed = [o for o in doomed if o.name not in kept]
     collect = getattr(backend, "collect_garbage", None)  # backend-internal leftovers (Redis parts)
     if collect is not None and not dry_run:
         report.leftovers_removed = await collect()
