@@ -43,6 +43,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvstore.backends.breaker import CircuitBreaker
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
 from plugins.keymap import mp_object_key, mp_object_name, payload_of
 from plugins.runtime import StoreRuntime, log
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
     from lmcache.v1.memory_management import MemoryObj
 
-ADAPTER_KEYS = ("lock_ttl_s",)
+ADAPTER_KEYS = ("lock_ttl_s", "metrics_port")
 
 
 @dataclass
@@ -60,6 +61,7 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
 
     store: StoreConfig
     lock_ttl_s: float = 120.0
+    metrics_port: int | None = None  # serve kvstore's metrics there too (docs/operations.md)
 
     @classmethod
     def from_dict(cls, d: dict) -> KVStoreL2AdapterConfig:
@@ -73,6 +75,7 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
             raise ValueError(f"adapter_params.lock_ttl_s: cannot read {lock_ttl!r} as seconds") from None
         if not lock_ttl_s > 0:
             raise ValueError("adapter_params.lock_ttl_s must be > 0 seconds")
+        metrics_port = parse_port(params.pop("metrics_port", None), "adapter_params.metrics_port")
         unknown = sorted(k for k in params if k not in KEYS)
         if unknown:
             raise ValueError(
@@ -82,7 +85,7 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
             store = StoreConfig.from_mapping(params, prefix="")
         except StoreConfigError as exc:
             raise ValueError(f"kvstore adapter_params: {exc}") from None
-        return cls(store=store, lock_ttl_s=lock_ttl_s)
+        return cls(store=store, lock_ttl_s=lock_ttl_s, metrics_port=metrics_port)
 
     @classmethod
     def help(cls) -> str:
@@ -93,7 +96,8 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
             "- cold_codec (str): codec of the last tier, e.g. cachegen?profile=smollm2-135m\n"
             "- namespace (str), timeout_s (float, per task deadline), policy (chain|lru|...)\n"
             "- config_file (path): JSON/TOML with the same keys\n"
-            "- lock_ttl_s (float): how long a lookup lock protects an object at most"
+            "- lock_ttl_s (float): how long a lookup lock protects an object at most\n"
+            "- metrics_port (int): also serve kvstore's Prometheus metrics on this port"
         )
 
 
@@ -137,6 +141,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self.runtime = StoreRuntime(cfg, name="kvstore-l2")
         self.runtime.store.on_gone = self._gone
         self._closed = False
+        export_store(self.runtime.store, name="kvstore-l2", adapter=self, port=config.metrics_port)
         self.runtime.submit(self._adopt_existing())
         log.info("kvstore L2 adapter ready: %s", cfg.describe())
 

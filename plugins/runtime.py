@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
+from kvstore.metrics_export import export_store, forget_store
 from kvstore.store_config import StoreConfig, StoreConfigError
 
 log = logging.getLogger("kvstore.plugins")
@@ -82,6 +83,7 @@ class StoreRuntime:
             self._stop()
             log.error("kvstore could not open its tiers %s: %s", cfg.describe()["tiers"], exc)
             raise
+        self.metrics_label = export_store(self.store, name=name, plugin=self)  # docs/operations.md
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -233,6 +235,7 @@ class StoreRuntime:
             return
         self._closed = True
         self.wait_writes(timeout=max(30.0, 6 * self.cfg.timeout_s))
+        forget_store(self.store)
         try:
             self.submit(self.store.close()).result(timeout=30)
         except Exception as exc:

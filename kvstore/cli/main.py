@@ -16,6 +16,7 @@ import click
 COMMANDS: dict[str, str] = {
     "bench": "kvstore.cli.bench:bench",
     "demo": "kvstore.cli.demo:demo",
+    "doctor": "kvstore.cli.doctor:doctor",
     "codec": "kvstore.cli.codec:codec",
     "migrate": "kvstore.cli.ops:migrate",
     "ls": "kvstore.cli.ops:ls",
