@@ -63,6 +63,11 @@ def backend_class(url: str) -> type[Backend]:
     return getattr(mod, name)
 
 
-def open_backend(url: str) -> Backend:
-    """Open a backend from a URL such as ``file:///var/cache/kv?capacity=10GiB``."""
-    return backend_class(url).from_url(url)
+def open_backend(url: str, *, create: bool = True) -> Backend:
+    """Open a backend from a URL such as ``file:///var/cache/kv?capacity=10GiB``.
+
+    With ``create=False`` the store must exist already (`Backend.open_existing`): read-only
+    tools use it so that a mistyped path is an error, not a new empty store.
+    """
+    cls = backend_class(url)
+    return cls.from_url(url) if create else cls.open_existing(url)

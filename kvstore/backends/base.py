@@ -163,6 +163,13 @@ class Backend(abc.ABC):
     def from_url(cls, url: str) -> Backend:
         """Build from a URL of one of `schemes`; raise ValueError saying what is wrong."""
 
+    @classmethod
+    def open_existing(cls, url: str) -> Backend:
+        """Open a store that must already exist, creating nothing (read-only tools).  Raise
+        `BackendUnavailableError` if it is not there; backends that create storage on open
+        (a disk directory) override this."""
+        return cls.from_url(url)
+
     @abc.abstractmethod
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]: ...
 

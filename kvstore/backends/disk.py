@@ -56,6 +56,7 @@ from kvstore.backends.base import (
     Alloc,
     Backend,
     BackendStats,
+    BackendUnavailableError,
     ObjectInfo,
     Value,
     as_parts,
@@ -97,8 +98,11 @@ def shard_of(name: str) -> str:
 
 @aiofiles.os.wrap
 def _write_object(path: Path, name: str, parts: list[memoryview], size: int, fsync: bool) -> None:
-    """Publish one object atomically: temp file beside it, fallocate, writev, fsync, rename."""
-    path.parent.mkdir(exist_ok=True)
+    """Publish one object atomically: temp file beside it, fallocate, writev, fsync, rename.
+
+    The shard directory (and the store's, if it was removed while running) is made here.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{os.getpid()}-{next(_ids)}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
     try:
@@ -252,6 +256,16 @@ class DiskBackend(Backend):
         self._scan()
 
     @classmethod
+    def open_existing(cls, url: str) -> DiskBackend:
+        """Open a store that must already be there (read-only commands): a path that does not
+        exist is `BackendUnavailableError`, and nothing is created."""
+        root = Path(unquote(urlsplit(url).path))
+        if not (root / "objects").is_dir():
+            what = "does not exist" if not root.exists() else "is not a kvstore disk store (no objects/)"
+            raise BackendUnavailableError(f"{redact_url(url)}: {root} {what}; check the path")
+        return cls.from_url(url)
+
+    @classmethod
     def from_url(cls, url: str) -> DiskBackend:
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
@@ -280,10 +294,20 @@ class DiskBackend(Backend):
         would be, an unreadable side file) is left out and described in `problems`.
         """
         out = []
-        for shard in os.scandir(self.objects_dir):
+        try:
+            shards = list(os.scandir(self.objects_dir))
+        except FileNotFoundError:  # the store's directory was removed: the next put remakes it
+            if problems is not None:
+                problems.append((str(self.objects_dir), "the store's directory is gone"))
+            return out
+        for shard in shards:
             if not shard.is_dir():
                 continue
-            for entry in os.scandir(shard.path):
+            try:
+                entries = list(os.scandir(shard.path))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
                 if entry.name.startswith("."):  # a write in progress, or one a crash cut short
                     if clean:
                         try:
@@ -582,6 +606,7 @@ class DiskBackend(Backend):
         src = self.path_of(name)
         dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{src.name}"
         try:
+            await aiofiles.os.makedirs(self.quarantine_dir, exist_ok=True)  # removed while running?
             await aiofiles.os.replace(src, dst)
             await asyncio.to_thread(Path(f"{dst}.reason").write_text, f"{name}\n{reason}\n", "utf-8")
         except FileNotFoundError:

@@ -25,8 +25,10 @@ EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
 
 def _open(url: str, what: str) -> Backend:
+    """Open a URL; only a migration's destination may be created, every other store must
+    exist (``ls`` of a mistyped path is an error, not a new empty store)."""
     try:
-        return open_backend(url)
+        return open_backend(url, create=what == "DST_URL")
     except ValueError as exc:
         raise click.BadParameter(redact_text(str(exc)), param_hint=what) from exc
 

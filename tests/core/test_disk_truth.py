@@ -83,3 +83,51 @@ async def test_delete_on_a_real_read_only_mount(tmp_path: Path) -> None:
         assert be.path_of("ns/a").exists() and await be.contains_many(["ns/a"]) == [True]
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+async def test_store_directory_removed_while_running_is_recreated(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    be = DiskBackend(root)
+    assert await be.put("ns/a", b"a")
+    shutil.rmtree(root)
+    assert await be.get_many(["ns/a"]) == [None]
+    assert [i async for i in be.list()] == [] and be.unlisted  # says the directory is gone
+    assert await be.put_many([("ns/b", b"b"), ("ns/c", b"c")]) == [True, True]
+    assert [bytes(v) for v in await be.get_many(["ns/b", "ns/c"])] == [b"b", b"c"]
+    shutil.rmtree(root)
+    assert await be.put("ns/d", b"not a frame")
+    await be.quarantine("ns/d", "test")  # the quarantine directory is remade too
+    assert be.stats().counters.quarantined == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["ls"], ["stat"], ["verify"], ["gc", "--max-bytes", "1MiB"], ["migrate", "DST"]],
+)
+def test_read_only_commands_on_a_missing_path_exit_nonzero_and_create_nothing(
+    tmp_path: Path, args: list[str]
+) -> None:
+    from click.testing import CliRunner
+
+    from kvstore.cli.main import cli
+
+    missing = tmp_path / "no" / "such" / "store"
+    argv = [args[0], missing.as_uri(), *args[1:]]
+    if args[0] == "migrate":
+        argv = ["migrate", missing.as_uri(), (tmp_path / "dst").as_uri()]
+    res = CliRunner().invoke(cli, argv)
+    assert res.exit_code == 3, res.output
+    assert "does not exist" in res.output
+    assert not (tmp_path / "no").exists()
+
+
+def test_migrate_creates_a_missing_destination(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvstore.cli.main import cli
+
+    src = tmp_path / "src"
+    DiskBackend(src)  # an empty store that exists
+    res = CliRunner().invoke(cli, ["migrate", src.as_uri(), (tmp_path / "new" / "dst").as_uri()])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "new" / "dst" / "objects").is_dir()
