@@ -3,8 +3,8 @@
 LMCache 0.5.6 runs an L2 adapter's objects through a *serde* when the adapter's JSON
 has a ``"serde"`` object; serdes are looked up by ``type`` in
 ``lmcache.v1.distributed.serde.factory``.  This module registers ``kvstore_cachegen``
-there, so LMCache's own adapters (``fs``, ``s3``, ``resp`` …) store kvstore CacheGen
-frames::
+there, so LMCache's own adapters store kvstore CacheGen frames (tested with ``fs``;
+any adapter that stores a MemoryObj's bytes and loads them into an equal buffer works)::
 
     {"type": "fs", "base_path": "/var/cache/lmcache-l2",
      "serde": {"type": "kvstore_cachegen", "codec": "cachegen?profile=smollm2-135m"}}
@@ -25,12 +25,16 @@ Loads verify the header CRC, the payload CRC32C, the key (the wrapper hands the
 serde the chunk's own ``ObjectKey``, so a file renamed or copied under another key is
 refused), shape and dtype against the buffer LMCache provides; any defect raises,
 which LMCache reports as a miss for the whole load task.  Nothing is ever unpickled.
+LMCache leaves a damaged object in place (a serde has no handle on its adapter), so
+``python -m plugins.mp_serde verify DIR --quarantine`` (`verify_fs`) finds and renames
+them in an ``fs`` directory.
 
 Loading it in the server process (the registry is filled at import time, and the
 server builds its L2 adapters before it loads any ``--server-module``):
 
 * ``python -m plugins.mp_serde <the server's usual arguments>`` runs
-  ``lmcache.v1.multiprocess.server`` with the serde registered; or
+  ``lmcache.v1.multiprocess.server`` with the serde registered (``python -m
+  plugins.mp_serde lmcache server ...`` runs the ``lmcache server`` command); or
 * wrap the adapter in LMCache's ``plugin`` type: ``{"type": "plugin", "module_path":
   "plugins.mp_serde", "class_name": "LMCacheL2Adapter", "adapter_params": {<the
   adapter's own JSON>}, "serde": {...}}``; importing this module registers the serde
@@ -38,7 +42,8 @@ server builds its L2 adapters before it loads any ``--server-module``):
   LMCache's own adapter for ``adapter_params``.
 
 Owns: the serde (frame + padding byte layout of an MP L2 object), its options and
-registration, the slot bound, the plugin shim and the launcher.  Must not touch: the
+registration, the slot bound, the plugin shim, the launcher and ``verify`` of an ``fs``
+directory.  Must not touch: the
 codec's internals (it only calls `Codec.frame_parts` / `decode_payload` and reads a
 profile's bins and codebooks), LMCache's adapters, controllers or threads, frames'
 layout (``kvstore.frame`` owns it), ObjectKey → name mapping (``plugins.keymap``).
@@ -46,13 +51,17 @@ layout (``kvstore.frame`` owns it), ObjectKey → name mapping (``plugins.keymap
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
 import math
+import os
 import runpy
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -79,6 +88,7 @@ from kvstore.frame import (
     FrameError,
     FrameHeader,
     LengthMismatchError,
+    MisplacedFrameError,
     decode_frame,
     read_header,
 )
@@ -109,10 +119,6 @@ _COST_MARGIN = 1e-3  # the encoder compares table costs in float32; its pick may
 
 class SlotOverflowError(FrameError):
     """A chunk's frame is larger than the configured slot (``slot_ratio`` too small)."""
-
-
-class MisplacedObjectError(FrameError):
-    """An intact frame read under another chunk's key (renamed or copied object)."""
 
 
 def frame_view(blob: bytes | bytearray | memoryview) -> memoryview:
@@ -314,11 +320,8 @@ class CacheGenFrameSerde(Serializer, Deserializer):
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
         blob = memoryview(_flat_bytes(src, "source").numpy())
-        frame = decode_frame(frame_view(blob))
+        frame = decode_frame(frame_view(blob), key=mp_object_name(key, self.options.namespace))
         header = frame.header
-        name = mp_object_name(key, self.options.namespace)
-        if header.key != name:
-            raise MisplacedObjectError(f"object holds {header.key!r}, read as {name!r}")
         target = _kv_view(dst, "destination")
         if tuple(header.shape) != tuple(target.shape) or header.dtype != dtype_name(target.dtype):
             raise FrameError(
@@ -370,9 +373,6 @@ class LMCacheL2Adapter(L2AdapterInterface):
     """
 
     def __new__(cls, params: Mapping[str, Any], l1_memory_desc: Any = None) -> Any:
-        import argparse
-        import json
-
         from lmcache.v1.distributed.l2_adapters import create_l2_adapter
         from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
 
@@ -387,31 +387,80 @@ class LMCacheL2Adapter(L2AdapterInterface):
         return create_l2_adapter(config, l1_memory_desc)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def verify_fs(
+    base_path: str | os.PathLike[str], *, namespace: str = DEFAULT_NAMESPACE, quarantine: bool = False
+) -> dict[str, Any]:
+    """Check every object of an ``fs`` L2 directory written through this serde.
+
+    An object is good when its frame and payload checksums hold and its key is the
+    kvstore name of the ObjectKey its file name encodes.  LMCache fails a whole load
+    task when one of its objects does not deserialize and never removes that object, so
+    a damaged file keeps costing misses until it goes: with ``quarantine`` it is renamed
+    to ``<name>.corrupt``, which LMCache's lookups no longer see.
+    """
+    from lmcache.v1.distributed.l2_adapters.fs_l2_adapter import _filename_to_object_key
+
+    report: dict[str, Any] = {"ok": 0, "corrupt": [], "quarantined": 0}
+    for path in sorted(Path(base_path).glob("*.data")):
+        try:
+            key = _filename_to_object_key(path.name)
+            if key is None:
+                raise MisplacedFrameError("the file name is not an LMCache fs object name")
+            decode_frame(frame_view(path.read_bytes()), key=mp_object_name(key, namespace))
+        except (FrameError, OSError) as exc:
+            report["corrupt"].append({"file": path.name, "error": f"{type(exc).__name__}: {exc}"})
+            if quarantine:
+                path.rename(path.with_name(path.name + ".corrupt"))
+                report["quarantined"] += 1
+            continue
+        report["ok"] += 1
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m plugins.mp_serde ARGS``: LMCache's MP server with the serde registered.
 
     ARGS are the server's own (``--host``, ``--port``, ``--l1-size-gb``,
-    ``--eviction-policy``, ``--l2-adapter`` …), passed through unchanged.
+    ``--eviction-policy``, ``--l2-adapter`` …), passed through unchanged;
+    ``python -m plugins.mp_serde lmcache server ARGS`` runs LMCache's ``lmcache`` command
+    (its HTTP-fronted server) instead.
+    ``python -m plugins.mp_serde verify DIR [--namespace NS] [--quarantine]`` checks an
+    ``fs`` L2 directory instead (`verify_fs`; exit status 1 if any object is damaged).
     """
-    register()
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["verify"]:
+        parser = argparse.ArgumentParser(prog="python -m plugins.mp_serde verify")
+        parser.add_argument("base_path")
+        parser.add_argument("--namespace", default=DEFAULT_NAMESPACE)
+        parser.add_argument("--quarantine", action="store_true")
+        opts = parser.parse_args(args[1:])
+        report = verify_fs(opts.base_path, namespace=opts.namespace, quarantine=opts.quarantine)
+        print(json.dumps(report, indent=1))
+        return 1 if report["corrupt"] else 0
+    register()
+    if args[:1] == ["lmcache"]:  # LMCache's own command line: ``lmcache server ...``
+        from lmcache.cli.main import main as lmcache_main
+
+        lmcache_main(args[1:])
+        return 0
     sys.argv = ["lmcache.v1.multiprocess.server", *args]
     runpy.run_module("lmcache.v1.multiprocess.server", run_name="__main__", alter_sys=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
 
 
 __all__ = [
     "SERDE_TYPE",
     "CacheGenFrameSerde",
     "LMCacheL2Adapter",
-    "MisplacedObjectError",
     "SerdeOptions",
     "SlotOverflowError",
     "create_serde",
     "frame_view",
     "main",
     "register",
+    "verify_fs",
 ]

@@ -33,6 +33,7 @@ from kvstore.frame import (
     CorruptHeaderError,
     FrameError,
     LengthMismatchError,
+    MisplacedFrameError,
     decode_frame,
 )
 from kvstore.keys import ChunkKey
@@ -42,10 +43,11 @@ from plugins.keymap import mp_object_key, mp_object_name
 from plugins.mp_serde import (
     SERDE_TYPE,
     CacheGenFrameSerde,
-    MisplacedObjectError,
     SerdeOptions,
     SlotOverflowError,
     frame_view,
+    main,
+    verify_fs,
 )
 
 LAYOUT = "lmcache:KV_2LTD"
@@ -205,8 +207,8 @@ def test_damaged_truncated_and_misplaced_objects_raise_and_leave_the_buffer_alon
     truncated[: flen // 2] = blob[: flen // 2]  # a torn write, zero-filled to the slot
     refused(truncated, ChecksumMismatchError)
     refused(blob[: flen - 1].clone(), LengthMismatchError)  # a short object
-    refused(blob, MisplacedObjectError, key=okey(2))  # another chunk's object
-    refused(blob, MisplacedObjectError, key=okey(1, salt="other-tenant"))
+    refused(blob, MisplacedFrameError, key=okey(2))  # another chunk's object
+    refused(blob, MisplacedFrameError, key=okey(1, salt="other-tenant"))
     refused(blob, FrameError, like=x.to(torch.float16))  # same key, another KV layout
     refused(blob, FrameError, like=kv_like((2, 4, 128, 128)))
 
@@ -390,6 +392,22 @@ def test_lmcache_fs_adapter_stores_and_loads_through_the_serde_across_a_restart(
     assert keys[1] not in got
     for k, t in got.items():
         assert torch.equal(t, expected[k])
+    assert keys[0] not in got  # LMCache 0.5.6: the good chunk of the same load misses too
+
+    # LMCache keeps the damaged file (its lookup still finds it): verify names it and
+    # quarantine takes it out of LMCache's sight, so the chunks before it hit again.
+    assert main(["verify", str(base)]) == 1
+    report = verify_fs(base, quarantine=True)
+    assert report["ok"] == 2 and report["quarantined"] == 1
+    assert [c["file"] for c in report["corrupt"]] == [victim.name]
+    assert "ChecksumMismatchError" in report["corrupt"][0]["error"]
+    assert verify_fs(base) == {"ok": 2, "corrupt": [], "quarantined": 0}
+    sm = _storage_manager(base, adapter)
+    try:
+        got = _prefetch(sm, keys, layout)
+    finally:
+        sm.close()
+    assert list(got) == [keys[0]] and torch.equal(got[keys[0]], expected[keys[0]])
 
 
 # ---------------------------------------------------------------- a real server process
