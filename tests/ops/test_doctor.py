@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from kvstore.cli.main import cli
 from tests.support.redis_server import RedisServer, free_port, redis_available
+from tests.support.required import REDIS_INSTALL, require
 
 PLUGIN = {
     "storage_plugin.kvstore.module_path": "plugins.storage_plugin",
@@ -73,8 +74,7 @@ def leftovers(root: Path) -> list[Path]:
 
 @pytest.fixture
 def redis_srv() -> Any:
-    if not redis_available():
-        pytest.skip("redis-server is not installed")
+    require(redis_available(), "redis-server", REDIS_INSTALL)
     with RedisServer() as srv:
         yield srv
 
@@ -249,3 +249,28 @@ def test_metrics_exposure(env, tmp_path: Path) -> None:
     env(KVSTORE_TIERS="mem://doc-m2", KVSTORE_METRICS_PORT="http")
     code, report = doctor()
     assert code == 1 and report["failed"] == ["metrics"]
+
+
+def test_hung_redis_fails_within_the_deadline(env, redis_srv) -> None:
+    import time
+
+    env(KVSTORE_TIERS=f"mem://doc-h {redis_srv.url}?connect_timeout=0.5&timeout=1")
+    redis_srv.pause()  # SIGSTOP: accepts connections, never answers
+    try:
+        t0 = time.monotonic()
+        result = CliRunner().invoke(cli, ["doctor", "--timeout", "3"])
+        assert time.monotonic() - t0 < 30
+    finally:
+        redis_srv.resume()
+    assert result.exit_code == 1, result.output
+    assert result.output.rstrip().splitlines()[-1].startswith("FAILED: tier1 redis://")
+    assert "fix: start redis-server there" in result.output
+
+
+def test_l2_adapter_json_from_a_file(env, tmp_path: Path) -> None:
+    env()
+    path = tmp_path / "adapter.json"
+    path.write_text(adapter_json(tiers=[f"{(tmp_path / 'kv').as_uri()}?capacity=1GiB"], namespace="mp-ns"))
+    code, report = doctor("--l2-adapter", str(path))
+    assert code == 0, report
+    assert report["config"]["namespace"] == "mp-ns"
