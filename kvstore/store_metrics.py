@@ -3,7 +3,9 @@
 Owns: metric names, labels and the small helpers the store calls.  Must not touch:
 placement or I/O.  Each store gets its own `CollectorRegistry` (several stores, or
 tests, in one process never collide); expose it with `text()` or by handing
-`registry` to a prometheus-client exporter.
+`registry` to a prometheus-client exporter.  The plugins and the L2 adapter export
+their store through `kvstore.metrics_export` (default registry with a ``store`` label,
+opt-in port); docs/operations.md lists every name.
 
 Metrics (all prefixed ``kvstore_``):
 
