@@ -432,6 +432,7 @@ def _adapter(route: str, base: Path) -> dict:
     return {**fs_l2_adapter(base), "serde": serde}
 
 
+@pytest.mark.slow  # two server starts per route: ~30 s each on this 2-core machine
 @pytest.mark.parametrize("route", ["launcher", "plugin"])
 def test_real_server_stores_frames_and_serves_them_after_a_restart(tmp_path, route):
     """``lmcache.v1.multiprocess.server`` with LMCache's fs adapter and the serde, loaded
