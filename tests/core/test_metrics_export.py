@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore import metrics_export
 from kvstore.keys import ChunkKey
 from kvstore.tiered import TieredStore
+from tests.support.required import require_module
 
 NAME = ChunkKey("m", 1, 0, 7, namespace="tenant-a").object_name()
 OTHER = ChunkKey("m", 1, 0, 8, namespace="tenant-a").object_name()
@@ -115,7 +116,7 @@ async def test_several_stores_one_process_no_duplicates() -> None:
 
 
 async def test_breaker_state_of_a_tier() -> None:
-    pytest.importorskip("aiobotocore")
+    require_module("aiobotocore")
     store = TieredStore.from_urls(
         ["mem://mx-br", "s3://no-bucket/p?endpoint_url=http://127.0.0.1:9&region=us-east-1"]
     )
@@ -158,7 +159,7 @@ def test_plugin_runtime_exports_its_counters(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_l2_adapter_metrics_port_and_counters(tmp_path: Path) -> None:
-    pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+    require_module("lmcache.v1.distributed.l2_adapters.base")
     from plugins.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig
     from plugins.l2_sync import SyncL2, object_key
 

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 from kvstore.backends import open_backend
 from kvstore.backends.disk import DiskBackend
 from kvstore.ops.migrate import MigrateOptions
+from tests.support.required import require_module
 
 
 @pytest.mark.parametrize(
@@ -51,7 +52,7 @@ def test_bad_mem_capacity_names_the_option() -> None:
     ],
 )
 def test_bad_redis_options_name_the_option(query: str, option: str) -> None:
-    pytest.importorskip("redis")
+    require_module("redis")
     from kvstore.backends.redis import parse_options
 
     with pytest.raises(ValueError, match=rf"{option}="):
@@ -60,7 +61,7 @@ def test_bad_redis_options_name_the_option(query: str, option: str) -> None:
 
 @pytest.mark.parametrize(("query", "option"), [("timeout=abc", "timeout"), ("concurrency=0", "concurrency")])
 def test_bad_s3_options_name_the_option(query: str, option: str) -> None:
-    pytest.importorskip("aioboto3")
+    require_module("aioboto3")
     with pytest.raises(ValueError, match=option):
         open_backend(f"s3://bucket/p?{query}")
 

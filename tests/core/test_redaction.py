@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from kvstore.backends import open_backend
 from kvstore.config import redact_text, redact_url
+from tests.support.required import require_module
 
 SECRETS = ("SEKRIT1", "SEKRIT2", "SEKRIT3", "SEKRIT4")
 
@@ -59,8 +60,8 @@ def test_redact_text_finds_urls_and_pairs() -> None:
     ],
 )
 def test_open_errors_do_not_echo_secrets(url: str) -> None:
-    pytest.importorskip("aioboto3")
-    pytest.importorskip("redis")
+    require_module("aioboto3")
+    require_module("redis")
     with pytest.raises(ValueError) as err:
         open_backend(url)
     assert not any(s in str(err.value) for s in SECRETS), str(err.value)

@@ -19,6 +19,7 @@ from kvstore.backends.disk import DiskBackend
 from kvstore.keys import ChunkKey
 from kvstore.ops.migrate import MigrateOptions, migrate
 from kvstore.tier import Tier
+from tests.support.required import require_module
 
 
 def key(i: int, ns: str = "tenant", model: str = "m") -> str:
@@ -145,7 +146,7 @@ async def test_delete_source_into_a_budgeted_store_is_refused(tmp_path: Path) ->
 
 
 async def test_recode_raw_to_cachegen_shrinks(tmp_path: Path) -> None:
-    pytest.importorskip("kvstore.codec.cachegen")
+    require_module("kvstore.codec.cachegen")
     src_url = (tmp_path / "src").as_uri()
     data = await fill(src_url, 4, shape=(2, 30, 256, 192))
     dst_url = (tmp_path / "dst").as_uri()
@@ -229,7 +230,7 @@ async def _swap_two(tmp_path: Path) -> tuple[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("recode", [None, "raw", "cachegen"])
 async def test_swapped_objects_are_neither_copied_nor_deleted(tmp_path: Path, recode: str | None) -> None:
     if recode == "cachegen":
-        pytest.importorskip("kvstore.codec.cachegen")
+        require_module("kvstore.codec.cachegen")
     src_url, data = await _swap_two(tmp_path)
     names = list(data)
     src, dst = open_backend(src_url), open_backend((tmp_path / "dst").as_uri())

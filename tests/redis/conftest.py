@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.support.redis_server import RedisClusterProcs, RedisServer, redis_available
+from tests.support.required import REDIS_INSTALL, require
 
 # Quick deadlines so fault tests take seconds: connect 0.5 s, batch 2 s.
 FAST = "timeout=2&connect_timeout=0.5"
@@ -12,8 +13,7 @@ FAST = "timeout=2&connect_timeout=0.5"
 
 @pytest.fixture
 def redis_server():
-    if not redis_available():
-        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    require(redis_available(), "redis-server", REDIS_INSTALL)
     with RedisServer() as srv:
         yield srv
 
@@ -29,7 +29,6 @@ async def backend(redis_server):
 
 @pytest.fixture(scope="session")
 def redis_cluster():
-    if not redis_available(cluster=True):
-        pytest.skip("redis-server / redis-cli are not installed (apt-get install redis-server redis-tools)")
+    require(redis_available(cluster=True), "redis-server and redis-cli", REDIS_INSTALL)
     with RedisClusterProcs(masters=3) as cluster:
         yield cluster

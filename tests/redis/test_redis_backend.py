@@ -13,6 +13,7 @@ from kvstore.backends import open_backend
 from kvstore.backends import redis_layout as layout
 from tests.redis.conftest import FAST
 from tests.support.redis_server import RedisServer, redis_available
+from tests.support.required import REDIS_INSTALL, needs
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")  # an unawaited coroutine is a bug
 KiB, MiB = 1 << 10, 1 << 20
@@ -213,7 +214,7 @@ async def test_refresh_stats_reports_server_figures(backend):
     assert st.counters.puts == 10
 
 
-@pytest.mark.skipif(not redis_available(tls=True), reason="openssl is needed to make test certificates")
+@needs(redis_available(tls=True), "redis-server and openssl (for test certificates)", REDIS_INSTALL)
 async def test_tls_round_trip():
     with RedisServer(tls=True) as srv:
         b = open_backend(f"{srv.url}&{FAST}")

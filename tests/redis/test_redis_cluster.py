@@ -10,10 +10,11 @@ import redis
 from kvstore.backends import open_backend
 from kvstore.backends.redis_layout import data_key, parts_key
 from tests.support.redis_server import redis_available
+from tests.support.required import REDIS_INSTALL, needs
 
 pytestmark = [
     pytest.mark.filterwarnings("error::RuntimeWarning"),
-    pytest.mark.skipif(not redis_available(cluster=True), reason="redis-server/redis-cli missing"),
+    needs(redis_available(cluster=True), "redis-server and redis-cli", REDIS_INSTALL),
 ]
 MiB = 1 << 20
 

