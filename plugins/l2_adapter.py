@@ -485,6 +485,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             "config": self.config.store.describe(),
             "counters": asdict(self.counters),
             "locked": len(self._locks),
+            "tiers": [
+                {"name": t.name, "hits": t.hits, "bytes_read": t.bytes_read, "objects": t.objects}
+                for t in self.runtime.store.stats().tiers
+            ],
         }
 
     def stats(self) -> dict[str, Any]:

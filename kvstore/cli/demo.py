@@ -16,10 +16,12 @@ from kvstore.store_config import StoreConfigError, TierConfig
 
 
 def _render(rep) -> None:
-    click.echo(
-        f"\nkvstore demo — {rep.model} on CPU, LMCache engine ({rep.path} path, "
-        f"{'async' if rep.async_loading else 'sync'} loading), chunk {rep.chunk_size} tokens"
+    how = (
+        "LMCache MP server, kvstore as its L2 adapter"
+        if rep.path == "mp"
+        else f"LMCache engine in-process ({rep.path} path, {'async' if rep.async_loading else 'sync'} loading)"
     )
+    click.echo(f"\nkvstore demo — {rep.model} on CPU, {how}, chunk {rep.chunk_size} tokens")
     click.echo(f"model load {rep.model_load_s:.1f}s\n")
     first = rep.passes[0]
     for p in rep.passes:
@@ -69,10 +71,11 @@ def _render(rep) -> None:
 @click.option("--chunk-size", default=256, show_default=True, help="LMCache chunk size in tokens.")
 @click.option(
     "--path",
-    type=click.Choice(["plugin", "remote"]),
-    default="plugin",
+    type=click.Choice(["mp", "plugin", "remote"]),
+    default="mp",
     show_default=True,
-    help="Load kvstore as LMCache's storage plugin or as its remote connector.",
+    help="mp: a real `lmcache server` with kvstore as its L2 adapter (LMCache's default mode); "
+    "plugin / remote: the in-process engine with kvstore as storage plugin / remote connector.",
 )
 @click.option("--async-loading", is_flag=True, help="Use LMCache's async loading (lookup + prefetch).")
 @click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's).")
@@ -103,17 +106,30 @@ def demo(
         bar.update(1)
 
     try:
-        rep = run_demo(
-            chosen,
-            prompts=prompts,
-            prompt_tokens=prompt_tokens,
-            new_tokens=new_tokens,
-            chunk_size=chunk_size,
-            path=path,
-            async_loading=async_loading,
-            threads=threads,
-            step=step,
-        )
+        if path == "mp":
+            from kvstore.demo.mp import run_demo_mp
+
+            rep = run_demo_mp(
+                chosen,
+                prompts=prompts,
+                prompt_tokens=prompt_tokens,
+                new_tokens=new_tokens,
+                chunk_size=chunk_size,
+                threads=threads,
+                step=step,
+            )
+        else:
+            rep = run_demo(
+                chosen,
+                prompts=prompts,
+                prompt_tokens=prompt_tokens,
+                new_tokens=new_tokens,
+                chunk_size=chunk_size,
+                path=path,
+                async_loading=async_loading,
+                threads=threads,
+                step=step,
+            )
     finally:
         bar.close()
     if as_json:

@@ -110,6 +110,59 @@ def _fresh_hot(tier: TierConfig) -> TierConfig:
     return replace(tier, url=f"mem://{name or 'hot'}-{uuid.uuid4().hex[:6]}{sep}{query}")
 
 
+def per_tier(
+    names: list[str], before: list[tuple[int, int]], after: list[tuple[int, int]], chunk_size: int
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Tokens and bytes each tier served between two (hits, bytes_read) snapshots."""
+    tokens = {n: (a[0] - b[0]) * chunk_size for n, a, b in zip(names, after, before) if a[0] > b[0]}
+    nbytes = {n: a[1] - b[1] for n, a, b in zip(names, after, before) if a[1] > b[1]}
+    return tokens, nbytes
+
+
+def resume(
+    model,
+    ids: torch.Tensor,
+    ref: list[int],
+    kv: list[tuple[torch.Tensor, torch.Tensor]],
+    hit: int,
+    load_s: float,
+    by_tier: tuple[dict[str, int], dict[str, int]],
+) -> PromptResult:
+    """Prefill what was not loaded after the `hit` loaded tokens, decode, compare with `ref`."""
+    new_tokens = len(ref)
+    use = min(hit, len(ids) - 1)  # the last prompt token is always computed: it yields the logits
+    t = time.perf_counter()
+    if use > 0:
+        past = [(k[:, :, :use], v[:, :, :use]) for k, v in kv]
+        logits, cache = model.prefill(ids[use:], past)
+    else:
+        logits, cache = model.prefill(ids)
+    compute_s = time.perf_counter() - t
+    cont = model.greedy(logits, cache, new_tokens)
+    same = sum(a == b for a, b in zip(cont, ref))
+    return PromptResult(
+        prompt_tokens=len(ids),
+        hit_tokens=hit,
+        tokens_by_tier=by_tier[0],
+        bytes_by_tier=by_tier[1],
+        load_s=load_s,
+        compute_s=compute_s,
+        agreement=same / max(len(ref), 1),
+        identical=cont == ref,
+    )
+
+
+def restart_plans(tiers: list[TierConfig]) -> list[tuple[str, list[TierConfig]]]:
+    """The passes after the first: a restart (empty hot tier), and for a lossy last tier,
+    that tier alone."""
+    plans = [("after restart: load instead of prefill", [_fresh_hot(tiers[0]), *tiers[1:]])]
+    if len(tiers) == 1:
+        plans = [("second run: load instead of prefill", tiers)]
+    if len(tiers) > 2 and tiers[-1].codec != "raw":
+        plans.append((f"cold tier only ({tiers[-1].codec})", [_fresh_hot(tiers[0]), tiers[-1]]))
+    return plans
+
+
 def run_demo(
     tiers: list[TierConfig],
     *,
@@ -191,13 +244,7 @@ def run_demo(
     passes.append(first)
 
     # ---- pass 2 (restart) and, for a lossy cold tier, pass 3 (cold tier alone)
-    plans = [("after restart: load instead of prefill", [_fresh_hot(tiers[0]), *tiers[1:]])]
-    if len(tiers) == 1:
-        plans = [("second run: load instead of prefill", tiers)]
-    if len(tiers) > 2 and tiers[-1].codec != "raw":
-        plans.append((f"cold tier only ({tiers[-1].codec})", [_fresh_hot(tiers[0]), tiers[-1]]))
-
-    for name, ts in plans:
+    for name, ts in restart_plans(tiers):
         rep = PassReport(name, [{"url": t.redacted(), "codec": t.codec} for t in ts])
         eng = open_engine(ts)
         try:
@@ -209,44 +256,13 @@ def run_demo(
                 _, hit = eng.lookup_then_load(ids, buf)
                 load_s = time.perf_counter() - t
                 after = stack.stats()
-                use = min(hit, len(ids) - 1)  # the last prompt token is always computed: it yields the logits
-                t = time.perf_counter()
-                if use > 0:
-                    past = [(k[:, :, :use], v[:, :, :use]) for k, v in buf]
-                    logits, cache = model.prefill(ids[use:], past)
-                else:
-                    logits, cache = model.prefill(ids)
-                compute_s = time.perf_counter() - t
-                cont = model.greedy(logits, cache, new_tokens)
-                same = sum(a == b for a, b in zip(cont, ref))
                 tier_names = [
                     f"{i}:{d['url'].split('://')[0]}({d['codec']})" for i, d in enumerate(rep.tiers)
                 ]
+                hits = [(t.hits, t.bytes_read) for t in before.tiers]
+                now = [(t.hits, t.bytes_read) for t in after.tiers]
                 rep.prompts.append(
-                    PromptResult(
-                        prompt_tokens=len(ids),
-                        hit_tokens=hit,
-                        tokens_by_tier={
-                            n: (a - b) * chunk_size
-                            for n, a, b in zip(
-                                tier_names, [t.hits for t in after.tiers], [t.hits for t in before.tiers]
-                            )
-                            if a > b
-                        },
-                        bytes_by_tier={
-                            n: a - b
-                            for n, a, b in zip(
-                                tier_names,
-                                [t.bytes_read for t in after.tiers],
-                                [t.bytes_read for t in before.tiers],
-                            )
-                            if a > b
-                        },
-                        load_s=load_s,
-                        compute_s=compute_s,
-                        agreement=same / max(len(ref), 1),
-                        identical=cont == ref,
-                    )
+                    resume(model, ids, ref, buf, hit, load_s, per_tier(tier_names, hits, now, chunk_size))
                 )
                 step(name)
         finally:

@@ -10,11 +10,14 @@ from click.testing import CliRunner
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch):
+@pytest.mark.parametrize("path", ["mp", "plugin"])
+def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch, path):
+    """mp (the default): a real `lmcache server` process with kvstore as its L2 adapter,
+    restarted between passes; plugin: the in-process engine with the storage plugin."""
     from kvstore.cli.demo import demo
 
     monkeypatch.setenv("KVSTORE_HOME", str(tmp_path))
-    args = ["--json", "--prompts", "1", "--prompt-tokens", "257", "--chunk-size", "128", "--new-tokens", "4"]
+    args = ["--json", "--path", path, "--prompts", "1", "--prompt-tokens", "257", "--chunk-size", "128", "--new-tokens", "4"]
     args += ["--tier", "mem://demo-test-hot", "--tier", f"file://{tmp_path / 'warm'}?fsync=false"]
     args += [
         "--tier",
@@ -25,6 +28,7 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch):
     res = CliRunner().invoke(demo, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output[res.output.index("{") :])
+    assert rep["path"] == path
     first, second = rep["passes"][0], rep["passes"][1]
     assert first["hit_tokens"] == 0
     p = second["prompts"][0]
