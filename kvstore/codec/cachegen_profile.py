@@ -48,7 +48,7 @@ class ProfileMismatchError(ValueError):
 
 
 CALIBRATE_HINT = (
-    "make a profile for that model with `kvstore codec calibrate --model DIR --out PROFILE.json` "
+    "Make a profile for that model with `kvstore codec calibrate --model DIR --out PROFILE.json` "
     "(or use preset=lmcache, which fits any model)"
 )
 _QUANT_TAG = re.compile(r"([.-](q\d[\w]*|iq\d[\w]*|f16|f32|bf16|fp16|fp32|gguf))+$", re.IGNORECASE)

@@ -108,8 +108,94 @@ def load_model(path: str | None = None, gguf_file: str | None = None) -> LoadedM
     return lm
 
 
+# Prompt kinds ("mix" sets): source code, technical documentation (the Python language
+# reference shipped as pydoc_data), legal text (licence texts present on the machine) and
+# chat (multi-turn conversations in the model's chat template; the assistant turns are
+# reference-manual answers to the user's questions).  Calibration and held-out sets use
+# disjoint modules, topics and licences.
+MIX = {
+    "calibration-mix": {
+        "code": ("argparse", "difflib"),
+        "docs": (("execmodel", "naming", "import"), ("customization", "specialnames", "attribute-access")),
+        "legal": ("GPL-3", "Apache-2.0"),
+        "chat": (
+            ("How does a for loop work in Python?", "for"),
+            ("What happens when an exception is raised inside a try block?", "try"),
+            ("Can you explain what the with statement does?", "with"),
+            ("What is a lambda?", "lambda"),
+            ("How are function calls evaluated?", "calls"),
+            ("And what about the return statement?", "return"),
+            ("How does Python compare two objects?", "comparisons"),
+            ("What does the global statement do?", "global"),
+        ),
+    },
+    "heldout-mix": {
+        "code": ("statistics", "shlex"),
+        "docs": (("class", "function", "types"), ("typesseq", "string-methods", "formatstrings")),
+        "legal": ("PSF-LICENSE", "MPL-2.0"),
+        "chat": (
+            ("I am new to Python. What does an if statement look like?", "if"),
+            ("How do while loops end?", "while"),
+            ("What is the difference between break and continue?", "break"),
+            ("Thanks. What does continue do exactly?", "continue"),
+            ("How do I write an assignment to several targets?", "assignment"),
+            ("How do I delete a name or an item?", "del"),
+            ("How do slices work on sequences?", "slicings"),
+            ("What are augmented assignments like +=?", "augassign"),
+            ("How does the raise statement work?", "raise"),
+            ("What does yield do in a function?", "yield"),
+        ),
+    },
+}
+
+
+def _licence(name: str) -> str | None:
+    import sys
+
+    if name == "PSF-LICENSE":
+        v = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+        cands = [Path(sys.base_prefix, "lib", v, "LICENSE.txt"), Path("/usr/lib", v, "LICENSE.txt")]
+    else:
+        cands = [Path("/usr/share/common-licenses", name)]
+    for c in cands:
+        if c.is_file():
+            return c.read_text(encoding="utf-8", errors="replace")
+    return None
+
+
+def mix_texts(which: str) -> list[tuple[str, str]]:
+    """(kind:name, text) of a prompt-kind mix; kinds whose sources are missing are left out."""
+    import pydoc_data.topics as topics
+
+    spec = MIX[which]
+    out = [(f"code:{m}", inspect.getsource(importlib.import_module(m))) for m in spec["code"]]
+    for group in spec["docs"]:
+        out.append((f"docs:{group[0]}", "\n\n".join(topics.topics[t] for t in group if t in topics.topics)))
+    for name in spec["legal"]:
+        text = _licence(name)
+        if text:
+            out.append((f"legal:{name}", text))
+    system = "You are a helpful assistant who answers questions about Python precisely."
+    turns = ""
+    for q, topic in spec["chat"]:
+        a = topics.topics.get(topic, "").strip()
+        turns += f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
+    out.append(("chat:python-help", f"<|im_start|>system\n{system}<|im_end|>\n" + turns))
+    # Round robin over kinds, so that the first N texts span as many kinds as they can.
+    kinds: dict[str, list[tuple[str, str]]] = {}
+    for label, text in out:
+        kinds.setdefault(label.split(":")[0], []).append((label, text))
+    order = []
+    while any(kinds.values()):
+        order += [v.pop(0) for v in kinds.values() if v]
+    return order
+
+
 def labelled_texts(which: str = "eval") -> list[tuple[str, str]]:
-    """(label, text) of the calibration or evaluation set (see the module note)."""
+    """(label, text) of a builtin set: ``calibration`` / ``eval`` (stdlib sources and
+    prose), or ``calibration-mix`` / ``heldout-mix`` (code, docs, legal, chat)."""
+    if which in MIX:
+        return mix_texts(which)
     mods = CALIBRATION_MODULES if which == "calibration" else EVAL_MODULES
     out = [(f"code:{m}", inspect.getsource(importlib.import_module(m))) for m in mods]
     if which != "calibration":

@@ -130,3 +130,21 @@ def test_per_layer_channel_layouts_and_mla() -> None:
 
 def test_shipped_profile_files_are_the_ones_tested() -> None:
     assert {p.stem for p in PROFILE_DIR.glob("*.json")} >= set(SHIPPED)
+
+
+def test_prompt_kind_mixes_span_kinds_and_keep_sources_apart() -> None:
+    from kvstore.codec import kvmodel
+
+    cal = kvmodel.labelled_texts("calibration-mix")
+    held = kvmodel.labelled_texts("heldout-mix")
+    kinds = [label.split(":")[0] for label, _ in held]
+    assert kinds[:2] == ["code", "docs"] and {"code", "docs", "chat"} <= set(kinds)
+    assert not {label for label, _ in cal if not label.startswith("chat")} & {label for label, _ in held}
+    cal_topics = {t for g in kvmodel.MIX["calibration-mix"]["docs"] for t in g} | {
+        t for _, t in kvmodel.MIX["calibration-mix"]["chat"]
+    }
+    held_topics = {t for g in kvmodel.MIX["heldout-mix"]["docs"] for t in g} | {
+        t for _, t in kvmodel.MIX["heldout-mix"]["chat"]
+    }
+    assert not cal_topics & held_topics
+    assert all(len(text) > 2000 for _, text in held)
