@@ -38,6 +38,7 @@ ending the listing.
 from __future__ import annotations
 
 import abc
+import builtins
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -190,7 +191,7 @@ class Backend(abc.ABC):
         await self.delete_many([name])
         self.counters.quarantined += 1
 
-    async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
+    async def read_heads(self, names: Sequence[str], nbytes: int) -> builtins.list[memoryview | None]:
         """The first `nbytes` of each object (None = missing)."""
         return [None if v is None else v[:nbytes] for v in await self.get_many(names)]
 

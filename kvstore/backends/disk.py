@@ -293,7 +293,7 @@ class DiskBackend(Backend):
         What cannot be an object (a directory or other non-file where an object's file
         would be, an unreadable side file) is left out and described in `problems`.
         """
-        out = []
+        out: list[tuple[str, os.stat_result]] = []
         try:
             shards = list(os.scandir(self.objects_dir))
         except FileNotFoundError:  # the store's directory was removed: the next put remakes it

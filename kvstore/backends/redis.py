@@ -31,12 +31,13 @@ pool reconnects on the next call once the server is back.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -211,10 +212,10 @@ class RedisBackend(Backend):
                     raise ValueError(f"{redact_url(url)}: cluster nodes must be host:port,host:port,...")
                 nodes.append(ClusterNode(host.strip("[]"), int(port)))
             ssl = scheme.startswith("rediss")
-            tls = {k: v for k, v in passthrough.items() if k.startswith("ssl_")}
+            tls: dict[str, Any] = {k: v for k, v in passthrough.items() if k.startswith("ssl_")}
             if "ssl_check_hostname" in tls:
                 tls["ssl_check_hostname"] = tls["ssl_check_hostname"].lower() in ("1", "true", "yes")
-            client = RedisCluster(startup_nodes=nodes, ssl=ssl, **tls, **common)
+            client: Any = RedisCluster(startup_nodes=nodes, ssl=ssl, **tls, **common)
             # framed values unjoined on every node's connections, found now or later
             manager = client.nodes_manager
             gather_class = gathering(manager.connection_kwargs.get("connection_class", Connection))
@@ -225,7 +226,7 @@ class RedisBackend(Backend):
             netloc = parts.netloc.rsplit("@", 1)[-1]  # credentials go as kwargs, never in a URL string
             plain = urlunsplit((scheme, netloc, parts.path, urlencode(passthrough), ""))
             pool = aioredis.ConnectionPool.from_url(plain, **common)
-            pool.connection_class = gathering(pool.connection_class)  # framed values unjoined
+            pool.connection_class = gathering(cast(type, pool.connection_class))  # framed values unjoined
             client = aioredis.Redis(connection_pool=pool)
         return cls(url, client, options)
 
@@ -242,7 +243,7 @@ class RedisBackend(Backend):
             log.warning("redis %s is answering again", redact_url(self.url))
             self._failing = False
 
-    async def _run(self, op: str, jobs: list[Awaitable[None]], nbytes: int | Budget) -> list[bool]:
+    async def _run(self, op: str, jobs: Sequence[Awaitable[None]], nbytes: int | Budget) -> list[bool]:
         """Run the jobs of one batch concurrently under one deadline; say which failed.
 
         The deadline is `RedisOptions.deadline` of the bytes in `nbytes`; a `Budget`
@@ -544,7 +545,7 @@ class RedisBackend(Backend):
         """
         pfx = self.options.prefix
         pattern = layout.scan_pattern(pfx, prefix)
-        batch: list[str] = []
+        batch: builtins.list[str] = []
         try:
             async for raw in self.client.scan_iter(match=pattern, count=1000):
                 key = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
@@ -562,7 +563,7 @@ class RedisBackend(Backend):
             self.counters.get_errors += 1
             self._fault("list", exc)
 
-    async def _sizes(self, names: list[str]) -> list[ObjectInfo]:
+    async def _sizes(self, names: builtins.list[str]) -> builtins.list[ObjectInfo]:
         if not names:
             return []
         pipe = self.client.pipeline(transaction=False)

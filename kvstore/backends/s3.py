@@ -30,7 +30,8 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import aiohttp
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -227,6 +228,7 @@ class S3Backend(Backend):
         client, o = self._client, self.options
 
         async def one(name: str) -> memoryview | None:
+            assert self._sem is not None  # set by _ready()
             try:
                 async with self._sem:
                     resp = await asyncio.wait_for(
@@ -326,9 +328,7 @@ class S3Backend(Backend):
         if not await self._ready():
             self.counters.put_errors += len(jobs)
             return out
-        results = await asyncio.gather(
-            *(self._guarded(lambda k=k, p=p: self._put_one(k, p)) for _, k, p in jobs)
-        )
+        results = await asyncio.gather(*(self._guarded(partial(self._put_one, k, p)) for _, k, p in jobs))
         for (i, _, parts), res in zip(jobs, results):
             if res is True:
                 out[i] = True
@@ -400,14 +400,12 @@ class S3Backend(Backend):
             self.counters.misses += len(jobs)
             return out
         allocate = alloc or bytearray_alloc
-        results = await asyncio.gather(
-            *(self._guarded(lambda k=k: self._get_one(k, allocate)) for _, k in jobs)
-        )
+        results = await asyncio.gather(*(self._guarded(partial(self._get_one, k, allocate)) for _, k in jobs))
         for (i, _), res in zip(jobs, results):
             if res is _FAILED:
                 self.counters.get_errors += 1
                 self.counters.misses += 1
-            elif res is None:
+            elif not isinstance(res, memoryview):
                 self.counters.misses += 1
             else:
                 out[i] = res
@@ -484,11 +482,11 @@ class S3Backend(Backend):
             listed = await self._guarded(lambda: self._keys_between([k for _, k in jobs], pages))
             if listed is _FAILED or listed is None:
                 return out
-            found, reached = listed  # type: ignore[misc]
+            found, reached = cast("tuple[set[str], str | None]", listed)
             for i, k in jobs:
                 out[i] = k in found
             heads = [(i, k) for i, k in jobs if reached is not None and k > reached]
-        results = await asyncio.gather(*(self._guarded(lambda k=k: self._head(k)) for _, k in heads))
+        results = await asyncio.gather(*(self._guarded(partial(self._head, k)) for _, k in heads))
         for (i, _), res in zip(heads, results):
             out[i] = res is True
         return out
@@ -537,7 +535,7 @@ class S3Backend(Backend):
         present = [(i, self.options.key(names[i])) for i, e in enumerate(existed) if e]
         for start in range(0, len(present), DELETE_BATCH):
             batch = present[start : start + DELETE_BATCH]
-            res = await self._guarded(lambda b=batch: self._delete_batch([k for _, k in b]))
+            res = await self._guarded(partial(self._delete_batch, [k for _, k in batch]))
             if res is _FAILED or res is None:
                 continue
             for i, k in batch:

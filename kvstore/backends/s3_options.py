@@ -40,6 +40,7 @@ max_object_size                1GiB             larger objects are neither writt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvstore.backends.base import DEFAULT_MAX_OBJECT
@@ -108,7 +109,7 @@ class S3Options:
                 raise ValueError(f"{name} must be positive in {redact_url(url)!r}")
             return value
 
-        kw: dict[str, object] = {}
+        kw: dict[str, Any] = {}
         for name in ("endpoint_url", "region", "profile"):
             if opts.get(name):
                 kw[name] = opts[name]

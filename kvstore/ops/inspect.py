@@ -57,7 +57,7 @@ async def read_headers(backend: Backend, names: Sequence[str], batch: int = 64) 
         chunk = list(names[start : start + batch])
         heads = await backend.read_heads(chunk, HEAD_BYTES)
         for name, head in zip(chunk, heads):
-            header = None
+            header: FrameHeader | None = None
             if head is not None:
                 try:
                     header = read_header(head)[0]
