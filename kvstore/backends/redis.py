@@ -512,10 +512,10 @@ class RedisBackend(Backend):
 
         async def job() -> None:
             pipe = self.client.pipeline(transaction=False)
-            for n in names:
-                pipe.execute_command("EXISTS", layout.data_key(self.options.prefix, n))
+            for n in names:  # TYPE, not EXISTS: a key of another type holds no object of ours
+                pipe.execute_command("TYPE", layout.data_key(self.options.prefix, n))
             for i, r in enumerate(await pipe.execute()):
-                out[i] = bool(r)
+                out[i] = (r.decode() if isinstance(r, bytes) else str(r)) == "string"
 
         await self._run("contains", [job()] if names else [], 0)
         return out

@@ -33,6 +33,7 @@ async def test_a_key_of_the_wrong_type_is_one_miss(redis_url) -> None:  # type: 
     got = await b.get_many(list(data))
     assert [g is None for g in got] == [n == bad for n in data]
     assert all(bytes(g) == data[n] for n, g in zip(data, got) if g is not None)
+    assert await b.contains_many(list(data)) == [n != bad for n in data]
     b._typical = 64 * MiB  # the big-object route: every object its own GET
     got = await b.get_many(list(data))
     assert [g is None for g in got] == [n == bad for n in data]
