@@ -84,3 +84,18 @@ async def test_frame_of_an_unknown_codec_is_a_miss_left_in_place() -> None:
     assert await tier.get_many(["ns/f"]) == [None]
     assert tier.counters.undecodable == 1 and tier.counters.corrupt == 0
     assert await tier.contains_many(["ns/f"]) == [True]  # not quarantined: a newer kvstore can read it
+
+
+@pytest.mark.parametrize("codec", ["raw", "cachegen"])
+async def test_a_header_claiming_a_huge_shape_is_a_quarantined_miss(codec: str) -> None:
+    from kvstore.frame import encode_frame
+
+    tier = Tier.open("mem://")
+    name = f"ns/claims-{codec}"
+    huge = (1 << 20, 1 << 20, 8)  # 16 TiB of bfloat16 claimed by a 64-byte payload
+    parts = encode_frame(
+        [b"\x00" * 64], codec=codec, dtype="bfloat16", shape=huge, layout="KV_2LTD", key=name
+    )
+    await tier.backend.put(name, parts)
+    assert await tier.get_many([name, "ns/absent"]) == [None, None]
+    assert tier.counters.corrupt == 1 and await tier.contains_many([name]) == [False]
