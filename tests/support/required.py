@@ -32,7 +32,7 @@ def require(available: bool, what: str, install: str) -> None:
     message = f"{what} is not available; {install}"
     if in_ci():
         pytest.fail(f"CI=true and {message} (in CI a missing part fails, it does not skip)", pytrace=False)
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=True)
 
 
 def require_module(name: str, install: str = "bash scripts/setup.sh --test") -> ModuleType:
