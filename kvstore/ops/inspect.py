@@ -18,7 +18,16 @@ from typing import Any
 from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
 from kvstore.config import option_int
-from kvstore.frame import FrameError, FrameHeader, decode_frame, read_header
+from kvstore.frame import (
+    MAGIC,
+    PREFIX,
+    PREFIX_LEN,
+    FrameError,
+    FrameHeader,
+    LengthMismatchError,
+    decode_frame,
+    read_header,
+)
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 
 HEAD_BYTES = 4096
@@ -50,23 +59,46 @@ async def list_objects(backend: Backend, prefix: str = "", namespace: str | None
     return [i async for i in backend.list(prefix)]
 
 
-async def read_headers(backend: Backend, names: Sequence[str], batch: int = 64) -> list[FrameHeader | None]:
-    """Frame headers by ranged reads; None for missing or unreadable objects."""
+def _header_cut(head: memoryview) -> bool:
+    """Whether `head` is a frame prefix whose header runs past the bytes read."""
+    if len(head) < HEAD_BYTES or len(head) < PREFIX_LEN:
+        return False
+    magic, _v, _f, _r, hlen, _crc = PREFIX.unpack_from(head, 0)
+    return magic == MAGIC and PREFIX_LEN + hlen > len(head)
+
+
+async def read_headers(
+    backend: Backend, names: Sequence[str], batch: int = 64, sizes: Sequence[int] | None = None
+) -> list[FrameHeader | None]:
+    """Frame headers by ranged reads; None for missing or unreadable objects.
+
+    A header is unreadable too when it was written for another name, or (given the
+    listed `sizes`) when the object's size is not what its header says.
+    """
     out: list[FrameHeader | None] = []
+
+    def parse(buf: memoryview, name: str, size: int | None) -> FrameHeader:
+        header, off = read_header(buf, key=name)
+        if size is not None and off + header.plen != size:
+            raise LengthMismatchError(f"object is {size} bytes, its header says {off + header.plen}")
+        return header
+
     for start in range(0, len(names), batch):
         chunk = list(names[start : start + batch])
+        chunk_sizes = list(sizes[start : start + batch]) if sizes is not None else [None] * len(chunk)
         heads = await backend.read_heads(chunk, HEAD_BYTES)
-        for name, head in zip(chunk, heads):
+        for name, size, head in zip(chunk, chunk_sizes, heads):
             header: FrameHeader | None = None
             if head is not None:
                 try:
-                    header = read_header(head)[0]
+                    header = parse(head, name, size)
                 except FrameError:
-                    full = (await backend.get_many([name]))[0]  # header longer than HEAD_BYTES?
-                    try:
-                        header = read_header(full)[0] if full is not None else None
-                    except FrameError:
-                        header = None
+                    if _header_cut(head):  # a header longer than HEAD_BYTES: read the object whole
+                        full = (await backend.get_many([name]))[0]
+                        try:
+                            header = parse(full, name, size) if full is not None else None
+                        except FrameError:
+                            header = None
             out.append(header)
     return out
 
@@ -95,7 +127,7 @@ class StoreStats:
 
 async def stat_store(backend: Backend, prefix: str = "", namespace: str | None = None) -> StoreStats:
     objects = await list_objects(backend, prefix, namespace)
-    headers = await read_headers(backend, [o.name for o in objects])
+    headers = await read_headers(backend, [o.name for o in objects], sizes=[o.size for o in objects])
     now = time.time()
     st = StoreStats(url=redact_url(backend.url), unlisted=list(backend.unlisted))
     for info, header in zip(objects, headers):
@@ -213,7 +245,7 @@ async def gc_store(
     Age is the frame's creation time where readable, else the object's mtime.
     """
     objects = await list_objects(backend, prefix, namespace)
-    headers = await read_headers(backend, [o.name for o in objects])
+    headers = await read_headers(backend, [o.name for o in objects], sizes=[o.size for o in objects])
     created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(objects, headers)}
     report = GcReport(url=redact_url(backend.url), dry_run=dry_run, unlisted=list(backend.unlisted))
     report.before_objects = len(objects)

@@ -105,7 +105,14 @@ def test_verify_and_migrate_do_not_read_an_oversized_object(tmp_path: Path) -> N
     report = json.loads(out.splitlines()[0])
     assert list(report["bad"]) == [bad] and "TooLarge" in report["bad"][bad] and report["ok"] == 3
     code, out = run("stat", (tmp_path / "src").as_uri(), "--json")
-    assert code == 0 and json.loads(out.splitlines()[0])["objects"] == 4  # headers only: no traceback
+    st = json.loads(out.splitlines()[0])  # headers only: the size its header gives is not the file's
+    assert (
+        code == 1
+        and st["objects"] == 4
+        and st["unreadable"] == 1
+        and st["by_codec"]["unreadable"]["objects"] == 1
+    )
+    assert tier.backend.path_of(bad).exists()  # stat reads, never quarantines
 
     async def go() -> None:
         src = DiskBackend(tmp_path / "src")

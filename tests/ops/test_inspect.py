@@ -159,3 +159,19 @@ def test_ls_escapes_control_characters_and_newlines(tmp_path: Path) -> None:
     assert any(line.endswith("ns/evil\\nname") for line in lines)
     code, out = run("ls", tmp_path.as_uri(), "--json")
     assert sorted(json.loads(line)["name"] for line in out.splitlines()) == sorted(odd)
+
+
+def test_stat_counts_misplaced_and_resized_frames_unreadable_and_reads_long_headers(tmp_path: Path) -> None:
+    from kvstore.frame import encode_frame
+
+    names = populate(tmp_path)
+    be = DiskBackend(tmp_path)
+    be.path_of(names[1]).write_bytes(be.path_of(names[0]).read_bytes())  # misplaced
+    with be.path_of(names[2]).open("ab") as f:
+        f.write(b"\0" * 100)  # longer than its header says
+    long_name = "a/long-header"
+    parts = encode_frame([b"\0" * 16], codec="raw", shape=(16,), key=long_name, meta={"pad": "x" * 8000})
+    asyncio.run(be.put(long_name, parts))
+    code, out = run("stat", tmp_path.as_uri(), "--json")
+    st = json.loads(out.splitlines()[0])
+    assert code == 1 and st["unreadable"] == 2 and st["by_codec"]["raw"]["objects"] == 5
