@@ -23,7 +23,7 @@ from kvstore.backends import Alloc, Backend, open_backend
 from kvstore.backends.base import redact_url
 from kvstore.codec.base import CodecUnavailableError
 from kvstore.frame import Frame, FrameError, decode_frame
-from kvstore.keys import InvalidKeyError, check_object_name
+from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 
 if TYPE_CHECKING:
     import torch
@@ -148,7 +148,10 @@ class Tier:
                 self.counters.misses += 1
                 self.counters.undecodable += 1
                 log.error(
-                    "kvstore: %s in %s cannot be decoded here (%s); served as a miss", name, self.name, exc
+                    "kvstore: %s in %s cannot be decoded here (%s); served as a miss",
+                    printable_name(name),
+                    self.name,
+                    exc,
                 )
                 result.append(None)
             except (FrameError, ValueError) as exc:
@@ -169,11 +172,16 @@ class Tier:
     async def _quarantine(self, name: str, exc: Exception) -> None:
         self.counters.corrupt += 1
         self.counters.misses += 1
-        log.warning("kvstore: %s in %s is corrupt (%s); quarantined, served as a miss", name, self.name, exc)
+        log.warning(
+            "kvstore: %s in %s is corrupt (%s); quarantined, served as a miss",
+            printable_name(name),
+            self.name,
+            exc,
+        )
         try:
             await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}")
         except Exception:  # a failing quarantine must not turn a miss into a crash
-            log.exception("kvstore: could not quarantine %s", name)
+            log.exception("kvstore: could not quarantine %s", printable_name(name))
 
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         return await self.backend.contains_many(names)

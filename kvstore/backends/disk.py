@@ -527,7 +527,7 @@ class DiskBackend(Backend):
             await self.quarantine(name, f"{type(exc).__name__}: {exc}")
             return None
         except OSError as exc:
-            log.warning("kvstore disk: read of %s failed: %s", name, exc)
+            log.warning("kvstore disk: read of %s failed: %s", printable_name(name), exc)
             self.counters.get_errors += 1
             self.counters.misses += 1
             return None
@@ -612,7 +612,7 @@ class DiskBackend(Backend):
         except FileNotFoundError:
             return
         except OSError as exc:
-            log.warning("kvstore disk: could not quarantine %s: %s", name, exc)
+            log.warning("kvstore disk: could not quarantine %s: %s", printable_name(name), exc)
             return
         self.counters.quarantined += 1
 

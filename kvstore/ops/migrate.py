@@ -41,7 +41,7 @@ from kvstore.backends.base import redact_url
 from kvstore.buffers import BufferPool
 from kvstore.config import kvstore_home, option_int
 from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame, read_header
-from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix, printable_name
 from kvstore.tier import OFFLOAD_BYTES
 
 log = logging.getLogger(__name__)
@@ -277,18 +277,26 @@ async def migrate(
     async def copy_object(info: ObjectInfo, alloc: Callable[[int], memoryview]) -> None:
         name = info.name
         if info.size > src.max_object_bytes:  # not read into memory: corrupt, never deleted
-            log.error("kvstore migrate: source object %s is %d bytes, over max_object_size", name, info.size)
+            log.error(
+                "kvstore migrate: source object %s is %d bytes, over max_object_size",
+                printable_name(name),
+                info.size,
+            )
             report.corrupt.append(name)
             return
         (raw,) = await src.get_many([name], alloc)
         if raw is None:
-            log.warning("kvstore migrate: %s vanished from the source", name)
+            log.warning("kvstore migrate: %s vanished from the source", printable_name(name))
             report.failed.append(name)
             return
         try:
             frame = await _checked(raw, name)
         except FrameError as exc:
-            log.error("kvstore migrate: source object %s is corrupt (%s); skipped, not copied", name, exc)
+            log.error(
+                "kvstore migrate: source object %s is corrupt (%s); skipped, not copied",
+                printable_name(name),
+                exc,
+            )
             report.corrupt.append(name)
             return
         if await _done_in_destination(name, frame.header, alloc):
@@ -330,7 +338,9 @@ async def migrate(
             if back is not None and (await _checked(back, name)).header.csum == csum:
                 return True
         except FrameError as exc:
-            log.error("kvstore migrate: %s reads back corrupt from the destination: %s", name, exc)
+            log.error(
+                "kvstore migrate: %s reads back corrupt from the destination: %s", printable_name(name), exc
+            )
         return False
 
     async def _delete_source(name: str) -> None:

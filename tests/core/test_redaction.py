@@ -110,3 +110,16 @@ def test_tier_name_store_config_and_reports_are_redacted(
 
         asyncio.run(go())
     assert "quarantined" in caplog.text and "SEKRIT1" not in caplog.text
+
+
+async def test_names_in_logs_cannot_forge_log_lines(caplog: pytest.LogCaptureFixture) -> None:
+    from kvstore.tier import Tier
+
+    tier = Tier.open("mem://log-names")
+    name = "ns/x\nERROR forged line\x1b[2J"
+    await tier.backend.put(name, b"not a frame")
+    with caplog.at_level(logging.WARNING):
+        assert await tier.get_many([name]) == [None]
+    assert caplog.records and all(
+        "\n" not in r.getMessage() and "\x1b" not in r.getMessage() for r in caplog.records
+    )
