@@ -66,7 +66,7 @@ class _Source:
     label: str
     store: weakref.ReferenceType[TieredStore]
     plugin: Any = None  # a StoreRuntime: .counters (dataclass), .pending_bytes
-    adapter: Any = None  # a KVStoreL2Adapter: .counters (dataclass), .breaker
+    adapter: Any = None  # a KVStoreL2Adapter: .counters (dataclass)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -152,18 +152,14 @@ class _Extra:
         )
         self.breaker = GaugeMetricFamily(
             "kvstore_breaker_state",
-            "Circuit breaker of a tier's backend: 0 closed, 1 half-open (probing), 2 open (failing fast)",
+            "Circuit breaker of a tier (the store's deadline guard, or the backend's own, the worse of"
+            " the two): 0 closed, 1 half-open (probing), 2 open (failing fast)",
             labels=["store", "tier"],
         )
         self.backend_errors = CounterMetricFamily(
             "kvstore_backend_errors",
             "Backend faults by kind (put, get, and the S3 backend's timeout, throttled, breaker_open, ...)",
             labels=["store", "tier", "kind"],
-        )
-        self.l2_breaker = GaugeMetricFamily(
-            "kvstore_l2_breaker_state",
-            "The L2 adapter's fail-fast breaker: 0 closed, 1 half-open, 2 open (tasks complete as misses)",
-            labels=["store"],
         )
         self.tier_misses = CounterMetricFamily(
             "kvstore_tier_misses",
@@ -186,15 +182,16 @@ class _Extra:
                 log.debug("kvstore metrics: %s of %s failed: %s", fn.__name__, src.label, exc)
 
     def _tiers(self, src: _Source, store: TieredStore) -> None:
-        for name, tier in zip(store.tier_names, store.tiers):
+        guards = getattr(store, "breakers", [None] * len(store.tiers))
+        for name, tier, guard in zip(store.tier_names, store.tiers, guards):
             backend = tier.backend
             self.tier_info.add_metric(
                 [src.label, name, tier.name, tier.codec.name, type(backend).__name__], 1
             )
             self.tier_misses.add_metric([src.label, name], float(tier.counters.misses))
-            breaker = getattr(backend, "breaker", None)
-            if breaker is not None:
-                self.breaker.add_metric([src.label, name], _breaker_value(breaker))
+            states = [_breaker_value(b) for b in (guard, getattr(backend, "breaker", None)) if b is not None]
+            if states:
+                self.breaker.add_metric([src.label, name], max(states))
             c = backend.counters
             kinds: dict[str, float] = {"put": c.put_errors, "get": c.get_errors}
             errors = getattr(backend, "errors", None)
@@ -209,7 +206,6 @@ class _Extra:
             self.pending.add_metric([src.label], float(src.plugin.pending_bytes))
         if src.adapter is not None:
             self._dataclass("kvstore_l2", "L2 adapter", src.label, src.adapter.counters)
-            self.l2_breaker.add_metric([src.label], _breaker_value(src.adapter.breaker))
             locked = getattr(src.adapter, "_locks", None)
             if locked is not None:
                 g = self.gauges.setdefault(
@@ -236,7 +232,6 @@ class _Extra:
             self.tier_misses,
             self.breaker,
             self.backend_errors,
-            self.l2_breaker,
             self.pending,
         ):
             if fam.samples:

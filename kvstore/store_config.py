@@ -182,7 +182,9 @@ class StoreConfig:
         from kvstore.tiered import TieredStore
 
         specs = [(_written_through(t.url) if i else t.url, t.codec) for i, t in enumerate(self.tiers)]
-        return TieredStore.from_urls(specs, policy=self.policy, discover=True)
+        # each tier answers within half the deadline (a read may try two tiers in turn);
+        # a tier that misses it fails fast until it answers again, the others go on
+        return TieredStore.from_urls(specs, policy=self.policy, discover=True, tier_timeout=self.timeout_s / 2)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -66,12 +66,13 @@ import logging
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from kvstore.backends.base import BackendStats
+from kvstore.backends.breaker import BreakerState, CircuitBreaker
 from kvstore.buffers import BufferPool
 from kvstore.codec.base import CodecUnavailableError
 from kvstore.config import parse_size
@@ -87,11 +88,12 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 UNBOUNDED = sys.maxsize
 Out = Union["torch.Tensor", Callable[[FrameHeader], "torch.Tensor | None"], None]
 # outcome of reading one name from one tier
-HIT, GONE, DECLINED = 0, 1, 2
+HIT, GONE, DECLINED, UNAVAILABLE = 0, 1, 2, 3  # UNAVAILABLE: the tier did not answer
 STORE_OPTIONS = frozenset({"capacity", "policy", "write", "high", "low"})
 
 
@@ -178,6 +180,7 @@ class TieredStore:
         registry: CollectorRegistry | None = None,
         discover: bool = False,
         pool: BufferPool | None = None,
+        tier_timeout: float | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -225,6 +228,11 @@ class TieredStore:
         self._discovered = 0
         # called with the names that left every tier (evicted or deleted)
         self.on_gone: Callable[[list[str]], None] | None = None
+        # per tier: a deadline on every call, and a breaker that fails fast after a miss
+        self.tier_timeout = tier_timeout
+        self.breakers = [
+            CircuitBreaker(failure_threshold=1, reset_after=1.0, max_reset_after=30.0) for _ in self.tiers
+        ]
 
     @classmethod
     def from_urls(
@@ -258,6 +266,47 @@ class TieredStore:
             )
         return cls(tiers, **kwargs)  # type: ignore[arg-type]
 
+    # -- tier calls ----------------------------------------------------------------------
+    async def _guard(self, j: int, coro: Coroutine[Any, Any, T], default: T, what: str, *, write: bool = False) -> T:
+        """`coro` on tier `j` under the tier deadline; `default` if the tier fails or is slow.
+
+        The first deadline miss or error opens tier `j`'s breaker: later calls return
+        `default` at once (counted as refused) until a probe after the breaker's wait
+        succeeds.  Other tiers are not affected.  Writes get a longer deadline (they move
+        whole chunks).  Without `tier_timeout` calls are not bounded here.
+        """
+        breaker = self.breakers[j]
+        if not breaker.allow():
+            coro.close()
+            self.metrics.errors.labels(op=f"{what} refused", tier=self.tier_names[j]).inc()
+            return default
+        timeout = self.tier_timeout
+        if timeout is not None and write:
+            timeout = max(30.0, 6 * timeout)
+        try:
+            result = await asyncio.wait_for(coro, timeout) if timeout is not None else await coro
+        except asyncio.TimeoutError:
+            breaker.record(False)
+            self.metrics.errors.labels(op=f"{what} timeout", tier=self.tier_names[j]).inc()
+            log.warning(
+                "kvstore: %s on %s took longer than %.1fs; a miss, and this tier fails fast until it answers",
+                what,
+                self.tiers[j].name,
+                timeout,
+            )
+            return default
+        except Exception as exc:  # a tier that cannot answer holds nothing we can use now
+            breaker.record(False)
+            self.metrics.errors.labels(op=what, tier=self.tier_names[j]).inc()
+            log.warning("kvstore: %s on %s failed: %s", what, self.tiers[j].name, exc)
+            return default
+        breaker.record(True)
+        return result
+
+    def tier_available(self, j: int) -> bool:
+        """Is tier `j`'s breaker closed (calls go through)?"""
+        return self.breakers[j].state is BreakerState.CLOSED
+
     # -- visibility ----------------------------------------------------------------------
     def _visible(self, name: str, now: float) -> int | None:
         """The tier serving `name`, or None (absent, still being written, or expired)."""
@@ -265,13 +314,23 @@ class TieredStore:
             return None
         return self.placement.where(name)
 
+    def _servable(self, name: str, now: float) -> bool:
+        """Visible in a tier that is answering (a failing tier's objects are not promised)."""
+        j = self._visible(name, now)
+        if j is None:
+            return False
+        return any(
+            name in self.placement.tiers[k].resident and not self.breakers[k].refusing()
+            for k in range(j, len(self.tiers))
+        )
+
     async def prefix_lookup(self, names: Sequence[str]) -> int:
         """How many leading `names` are held in some tier."""
         now = self._clock()
         await self._expire(now)
         n = 0
         for name in names:
-            if self._visible(name, now) is None:
+            if not self._servable(name, now):
                 break
             n += 1
         # the first unknown name decides whether the rest are worth asking about
@@ -288,7 +347,7 @@ class TieredStore:
         await self._expire(now)
         if self.discover:
             return await self._found_in_tiers(names, now)
-        return [self._visible(n, now) is not None for n in names]
+        return [self._servable(n, now) for n in names]
 
     def _discoverable(self, name: str) -> bool:
         """Unknown to the engine, and no write or copy of ours is under way."""
@@ -297,16 +356,13 @@ class TieredStore:
     async def _found_in_tiers(self, names: Sequence[str], now: float | None = None) -> list[bool]:
         """Visible, or (unknown to the engine) stored in some tier by someone else."""
         now = self._clock() if now is None else now
-        found = [self._visible(n, now) is not None for n in names]
+        found = [self._servable(n, now) for n in names]
         todo = [i for i, n in enumerate(names) if not found[i] and self._discoverable(n)]
-        for tier in self.tiers:
+        for j, tier in enumerate(self.tiers):
             if not todo:
                 break
-            try:
-                held = await tier.contains_many([names[i] for i in todo])
-            except Exception as exc:  # a tier that cannot answer holds nothing we can read
-                log.warning("kvstore: contains on %s failed: %s", tier.name, exc)
-                continue
+            asked = [names[i] for i in todo]
+            held = await self._guard(j, tier.contains_many(asked), [False] * len(asked), "contains")
             for i, h in zip(todo, held):
                 found[i] = h
             todo = [i for i in todo if not found[i]]
@@ -397,7 +453,11 @@ class TieredStore:
                 encoded.append(True)
                 payload.append((m.key, parts))
             t0 = time.perf_counter()
-            written = iter(await tier.put_frames(payload) if payload else [])  # type: ignore[arg-type]
+            written = iter(
+                await self._guard(j, tier.put_frames(payload), [False] * len(payload), "put", write=True)  # type: ignore[arg-type]
+                if payload
+                else []
+            )
             self.metrics.op_seconds.labels("put", self.tier_names[j]).observe(time.perf_counter() - t0)
             ok = [next(written) if e else False for e in encoded]
             for (i, m), good in zip(batch, ok):
@@ -409,7 +469,7 @@ class TieredStore:
                     # evicted by a later chunk of this batch before it landed: a demotion
                     # (waiting for this write) has copied it on, or it was dropped
                     if name not in self._copies:  # else the name's last copy cleans up
-                        await tier.delete_many([name])  # type: ignore[list-item]
+                        await self._guard(j, tier.delete_many([name]), [False], "delete")  # type: ignore[list-item]
                     results[i] = self.placement.where(name) is not None
                 elif good:
                     results[i] = True
@@ -474,6 +534,14 @@ class TieredStore:
         return result
 
     async def _read_tier(
+        self, j: int, names: Sequence[str], outs: Sequence[Out] | None
+    ) -> list[tuple[torch.Tensor | None, int, int]]:
+        """`_read_tier_now` under tier `j`'s deadline and breaker: UNAVAILABLE for every
+        name when the tier does not answer (a miss that keeps the object on the books)."""
+        fallback: list[tuple[torch.Tensor | None, int, int]] = [(None, UNAVAILABLE, 0)] * len(names)
+        return await self._guard(j, self._read_tier_now(j, names, outs), fallback, "get")
+
+    async def _read_tier_now(
         self, j: int, names: Sequence[str], outs: Sequence[Out] | None
     ) -> list[tuple[torch.Tensor | None, int, int]]:
         """(tensor, HIT | GONE | DECLINED, stored bytes) per name, read from tier `j`.
@@ -679,6 +747,17 @@ class TieredStore:
                 # read where its bytes were while a copy was landing; it may just have landed
                 target = [out[i]] if out is not None else None
                 tensor, status, _ = (await self._read_tier(placed, [name], target))[0]
+            if status == UNAVAILABLE:
+                # the tier did not answer: a lower tier holding a copy may (write-through)
+                target = [out[i]] if out is not None else None
+                for k in range(placed + 1, len(self.tiers)):
+                    if name in self.placement.tiers[k].resident and not self.breakers[k].refusing():
+                        tensor, status, _ = (await self._read_tier(k, [name], target))[0]
+                        if status == HIT:
+                            placed = src = k
+                            break
+                if status != HIT:
+                    continue  # still on the books: it is a miss only while the tier is away
             if status == DECLINED:
                 continue  # still stored: the caller did not take it
             if tensor is None:
@@ -716,7 +795,7 @@ class TieredStore:
             adopted: list[tuple[str, int]] = []
             for i, (tensor, status, size) in zip(todo, got):
                 name = names[i]
-                if status == GONE:
+                if status in (GONE, UNAVAILABLE):
                     still.append(i)
                     continue
                 if self._discoverable(name):  # nobody stored it meanwhile
@@ -734,11 +813,8 @@ class TieredStore:
             for k in range(j + 1, len(self.tiers)):
                 if not adopted:
                     break
-                try:
-                    held = await self.tiers[k].contains_many([n for n, _ in adopted])
-                except Exception as exc:
-                    log.warning("kvstore: contains on %s failed: %s", self.tier_names[k], exc)
-                    continue
+                asked = [n for n, _ in adopted]
+                held = await self._guard(k, self.tiers[k].contains_many(asked), [False] * len(asked), "contains")
                 for (name, size), h in zip(adopted, held):
                     if h and self.placement.where(name) is not None and name not in self._copies:
                         moves.extend(self.placement.adopt(name, k, size, self._protected))
@@ -762,12 +838,9 @@ class TieredStore:
             self.book.discard(name)
         await self._carry_out(moves)
         if unknown:
-            for tier in self.tiers:
-                try:
-                    held = await tier.delete_many([names[i] for i in unknown])
-                except Exception as exc:
-                    log.warning("kvstore: delete on %s failed: %s", tier.name, exc)
-                    continue
+            asked = [names[i] for i in unknown]
+            for j, tier in enumerate(self.tiers):
+                held = await self._guard(j, tier.delete_many(asked), [False] * len(asked), "delete")
                 for i, h in zip(unknown, held):
                     existed[i] = existed[i] or h
         self._update_gauges()
@@ -821,7 +894,7 @@ class TieredStore:
                 copies.append(m)
         for j, keys in drops.items():
             t0 = time.perf_counter()
-            await self.tiers[j].delete_many(keys)
+            await self._guard(j, self.tiers[j].delete_many(keys), [False] * len(keys), "delete")
             self.metrics.op_seconds.labels("delete", self.tier_names[j]).observe(time.perf_counter() - t0)
         for m in copies:
             self._spawn(self._copy(m))

@@ -19,9 +19,10 @@ task, and the byte accounting LMCache's own L2 eviction and listing read.  Must 
 touch: storage logic (the store), LMCache's threads (every task runs on the runtime's
 own loop and signals its event fd when done).
 
-Every task ends: a tier that fails or misses the deadline completes it as a miss (or
-a failed store), never as an exception in the server.  After a deadline miss the
-breaker opens and later tasks complete at once as misses until a probe gets through.
+Every task ends: a tier that fails or misses its deadline (half of ``timeout_s``) is a
+miss (or a failed store) for that tier only, never an exception in the server; its
+breaker then fails it fast until a probe gets through, while the other tiers serve on.
+Each task as a whole is also bounded by ``timeout_s`` (writes by a longer deadline).
 Loads decode straight into the MemoryObjs the server hands in (one copy), and a
 stored object whose key, checksum, shape or dtype does not match is a miss.
 """
@@ -41,7 +42,6 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore.backends.breaker import CircuitBreaker
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
@@ -111,7 +111,7 @@ class L2Counters:
     stores_failed: int = 0
     timeouts: int = 0
     errors: int = 0
-    refused: int = 0  # tasks completed at once while the breaker was open
+    refused: int = 0  # tasks submitted after close
 
 
 class KVStoreL2Adapter(L2AdapterInterface):
@@ -125,7 +125,6 @@ class KVStoreL2Adapter(L2AdapterInterface):
         capacity = _last_tier_capacity(cfg)
         super().__init__(max_capacity_bytes=capacity)
         self.counters = L2Counters()
-        self.breaker = CircuitBreaker(failure_threshold=1, reset_after=1.0, max_reset_after=30.0)
         self._ns = cfg.namespace
         self._lock = threading.Lock()
         self._next_id: L2TaskId = 0
@@ -179,24 +178,17 @@ class KVStoreL2Adapter(L2AdapterInterface):
             result = await asyncio.wait_for(coro, timeout=timeout)
         except asyncio.TimeoutError:
             self.counters.timeouts += 1
-            self.breaker.record(False)
-            log.warning(
-                "kvstore L2: %s took longer than %.1fs; served as a miss, failing fast until a tier answers",
-                what,
-                timeout,
-            )
+            log.warning("kvstore L2: %s took longer than %.1fs; served as a miss", what, timeout)
             return None
         except Exception as exc:
             self.counters.errors += 1
-            self.breaker.record(False)
             log.warning("kvstore L2: %s failed (%s); served as a miss", what, exc)
             return None
-        self.breaker.record(True)
         return result
 
     def _admit(self, coro: Coroutine[Any, Any, Any]) -> bool:
-        """May this task reach the tiers?  If not, `coro` is closed unrun."""
-        if self._closed or not self.breaker.allow():
+        """May this task run?  Not after close (then `coro` is closed unrun)."""
+        if self._closed:
             self.counters.refused += 1
             coro.close()
             return False
@@ -478,16 +470,17 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def report_status(self) -> dict:
         from dataclasses import asdict
 
+        store = self.runtime.store
         return {
-            "is_healthy": not self._closed and self.breaker.state.value == "closed",
+            "is_healthy": not self._closed and all(store.tier_available(j) for j in range(len(store.tiers))),
             "type": "KVStoreL2Adapter",
-            "breaker": self.breaker.state.value,
+            "breakers": [b.state.value for b in store.breakers],
             "config": self.config.store.describe(),
             "counters": asdict(self.counters),
             "locked": len(self._locks),
             "tiers": [
                 {"name": t.name, "hits": t.hits, "bytes_read": t.bytes_read, "objects": t.objects}
-                for t in self.runtime.store.stats().tiers
+                for t in store.stats().tiers
             ],
         }
 

@@ -47,6 +47,10 @@ class CircuitBreaker:
             raise ValueError("need 0 < reset_after <= max_reset_after")
         self._wait = self.reset_after
 
+    def refusing(self) -> bool:
+        """Would a call be refused now?  (Unlike `allow`, takes no probe slot.)"""
+        return self.state is BreakerState.OPEN and self.clock() < self._open_until
+
     def allow(self) -> bool:
         """May a call go out now?  (Takes a probe slot when half-open.)"""
         if self.state is BreakerState.OPEN:

@@ -176,7 +176,7 @@ def test_l2_adapter_metrics_port_and_counters(tmp_path: Path) -> None:
         text = scrape(port)
         assert value(text, "kvstore_l2_lookups_total", store="kvstore-l2") == 2
         assert value(text, "kvstore_l2_lookup_hits_total", store="kvstore-l2") == 1
-        assert value(text, "kvstore_l2_breaker_state", store="kvstore-l2") == 0
+        assert value(text, "kvstore_breaker_state", store="kvstore-l2", tier="tier1") == 0
         assert value(text, "kvstore_bytes_in_total", store="kvstore-l2", tier="tier1") > 0
         # and in the default registry, which lmcache server serves on --prometheus-port
         assert value(generate_latest(REGISTRY).decode(), "kvstore_l2_stores_total", store="kvstore-l2") == 1
