@@ -61,9 +61,7 @@ class FrameSink:
                 self.too_long = True
                 return None
         try:
-            header, off = read_header(head)
-            if header.key and header.key != self.name:
-                raise FrameError(f"frame belongs to {header.key!r}")
+            header, off = read_header(head, key=self.name)  # a keyless or misplaced frame is refused
             if size - off != header.plen:
                 raise LengthMismatchError(
                     f"payload is {size - off} bytes, header says {header.plen} (truncated or torn)"

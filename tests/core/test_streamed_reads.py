@@ -107,3 +107,17 @@ async def test_a_cancelled_read_returns_only_after_the_writes_into_out_end(tmp_p
     await asyncio.sleep(0.3)
     assert all(torch.equal(o, s) for o, s in zip(outs, seen)), "a worker thread wrote into `out` after cancel"
     await st.close()
+
+
+@pytest.mark.parametrize("key", ["", "ns/m/f-1-0/other"])
+async def test_a_keyless_or_misplaced_frame_is_a_miss_on_the_streamed_path(tmp_path: Path, key: str) -> None:
+    from kvstore import codec as codecs
+
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], discover=True)
+    t = torch.randn(256, 1024)
+    parts = codecs.get("raw").frame_parts(t, key=key)
+    assert await st.tiers[0].backend.put_many([(NAME, parts)]) == [True]
+    out = torch.zeros_like(t)
+    assert await st.get_many([NAME], out=[out]) == [None]
+    assert not out.any(), "nothing of the other key's tensor reaches the caller"
+    await st.close()
