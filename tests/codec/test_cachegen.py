@@ -16,6 +16,7 @@ from kvstore.codec.cachegen_kernels import PROB_SCALE, encoder_tables
 from kvstore.codec.cachegen_profile import ModelFingerprint, Profile, UnknownCodebookError
 from kvstore.codec.cachegen_tables import CodebookSet, builtin_codebook
 from kvstore.frame import FrameError, decode_frame, encode_frame
+from tests.support.required import needs
 
 
 def kv_like(shape, dtype=torch.float16, seed=0):
@@ -154,7 +155,7 @@ def test_encoder_reciprocals_are_exact_divisions():
         assert (lim + bias + q * cmpl == (lim // f) * PROB_SCALE + lim % f).all()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("lmcache") is None, reason="lmcache is not installed")
+@needs(importlib.util.find_spec("lmcache") is not None, "lmcache", "bash scripts/setup.sh --test")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_bit_identical_to_lmcache_cachegen_at_its_preset(dtype):
     from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, QuantizationSpec

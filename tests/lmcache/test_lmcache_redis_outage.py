@@ -14,10 +14,11 @@ import torch
 
 from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
 from tests.support.redis_server import RedisServer, redis_available
+from tests.support.required import REDIS_INSTALL, needs
 
 BLOCKING_TIMEOUT = 5
 
-pytestmark = pytest.mark.skipif(not redis_available(), reason="redis-server not installed")
+pytestmark = needs(redis_available(), "redis-server", REDIS_INSTALL)
 PERSIST = ["--appendonly", "yes", "--appendfsync", "always"]  # the data survives SIGKILL
 
 

