@@ -122,7 +122,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             config = KVStoreL2AdapterConfig.from_dict(dict(config))
         self.config = config
         cfg = config.store
-        capacity = _last_tier_capacity(cfg)
+        capacity = _store_capacity(cfg)
         super().__init__(max_capacity_bytes=capacity)
         self.counters = L2Counters()
         self._ns = cfg.namespace
@@ -418,28 +418,29 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self._notify_keys_deleted(keys, sizes)
 
     async def _adopt_existing(self) -> None:
-        """Count what earlier runs left in the last (persistent) tier, so usage, listing
-        and LMCache's L2 eviction see it.  Runs in the background after start."""
-        tier = self.runtime.store.tiers[-1]
+        """Count what earlier runs left in the tiers (every tier: with ``write=back`` no
+        single tier holds everything), so usage, listing and LMCache's L2 eviction see it.
+        Runs in the background after start; sizes are stored (frame) bytes."""
         keys: list[ObjectKey] = []
         sizes: list[int] = []
-        try:
-            async for info in tier.backend.list(namespace_prefix(self._ns)):
-                try:
-                    key = mp_object_key(ChunkKey.from_object_name(info.name))
-                except InvalidKeyError:
-                    key = None
-                if key is None:
-                    continue
-                with self._lock:
-                    if info.name in self._sizes:
+        for tier in self.runtime.store.tiers:
+            try:
+                async for info in tier.backend.list(namespace_prefix(self._ns)):
+                    try:
+                        key = mp_object_key(ChunkKey.from_object_name(info.name))
+                    except InvalidKeyError:
+                        key = None
+                    if key is None:
                         continue
-                    self._sizes[info.name] = info.size
-                    self._keys[info.name] = key
-                keys.append(key)
-                sizes.append(info.size)
-        except Exception as exc:
-            log.warning("kvstore L2: listing %s at start failed (%s); usage counts new objects only", tier.name, exc)
+                    with self._lock:
+                        if info.name in self._sizes:
+                            continue
+                        self._sizes[info.name] = info.size
+                        self._keys[info.name] = key
+                    keys.append(key)
+                    sizes.append(info.size)
+            except Exception as exc:
+                log.warning("kvstore L2: listing %s at start failed (%s); its objects count once read", tier.name, exc)
         if keys:
             self._notify_keys_stored(keys, sizes)
             log.info("kvstore L2: found %d objects (%d bytes) from earlier runs", len(keys), sum(sizes))
@@ -497,13 +498,15 @@ class KVStoreL2Adapter(L2AdapterInterface):
             efd.close()
 
 
-def _last_tier_capacity(cfg: StoreConfig) -> int:
-    """The byte budget of the last tier (it holds every chunk), or 0 if it has none."""
+def _store_capacity(cfg: StoreConfig) -> int:
+    """What LMCache's L2 eviction may take as this adapter's capacity: the largest tier
+    budget when every tier has one (the store can hold no more distinct chunks than
+    that), else 0 (some tier is unbounded: LMCache's global eviction stays off)."""
     from kvstore.config import parse_size
     from kvstore.tiered import split_store_options
 
-    _, opts = split_store_options(cfg.tiers[-1].url)
-    return parse_size(opts.get("capacity")) or 0
+    budgets = [parse_size(split_store_options(t.url)[1].get("capacity")) for t in cfg.tiers]
+    return max(budgets) if all(budgets) else 0  # type: ignore[type-var, return-value]
 
 
 __all__ = ["KVStoreL2Adapter", "KVStoreL2AdapterConfig"]

@@ -283,3 +283,10 @@ def test_killed_redis_store_fails_cleanly_and_recovers(make_adapter, tmp_path):
         while time.time() < deadline and not store(ad, [okey(2)], [kv(2)]):
             time.sleep(0.3)
         assert lookup(ad, [okey(2)]) == [True]
+
+
+def test_capacity_for_lmcache_eviction(make_adapter, tmp_path):
+    bounded = make_adapter([f"mem://cap-{tmp_path.name}?capacity=64MiB", f"file://{tmp_path}/a?capacity=1GiB"])
+    assert bounded.get_usage().total_capacity_bytes == 1 << 30 and bounded.supports_global_eviction
+    unbounded = make_adapter([f"mem://cap2-{tmp_path.name}?capacity=64MiB", f"file://{tmp_path}/b"])
+    assert unbounded.get_usage().total_capacity_bytes == 0 and not unbounded.supports_global_eviction
