@@ -618,9 +618,12 @@ class TieredStore:
             try:
                 verdicts = await asyncio.shield(reading)
             except asyncio.CancelledError:
-                # worker threads are writing into the callers' tensors: the caller may free
-                # them only once those writes are over
+                # the read may be writing into the callers' tensors: the caller may free them
+                # only once those writes are over (at once for a backend that streams on the
+                # event loop; a disk read's worker threads finish their block first)
                 stopped = True
+                if getattr(tier.backend, "streams_on_loop", False):
+                    reading.cancel()
                 await asyncio.wait({reading})
                 raise
         else:  # whole objects (memory views, or pooled buffers), then streamed into the targets

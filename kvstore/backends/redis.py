@@ -35,7 +35,7 @@ import builtins
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -62,7 +62,9 @@ from kvstore.backends.base import (
     parts_len,
     redact_url,
 )
+from kvstore.backends.redis_stream import Address, Manifest, RespStreams
 from kvstore.backends.redis_wire import Gathered, gathering
+from kvstore.backends.stream import StreamSink, stream_from_buffer
 from kvstore.config import option_float, option_int, option_size
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 
@@ -162,11 +164,18 @@ def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
 
 class RedisBackend(Backend):
     schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+    #: `read_streamed` writes into the caller's buffers only from the event loop, so
+    #: cancelling it stops those writes at once (the disk backend's worker threads do not)
+    streams_on_loop = True
 
-    def __init__(self, url: str, client: Any, options: RedisOptions | None = None) -> None:
-        """Use `from_url`; `client` is a redis.asyncio ``Redis`` or ``RedisCluster``."""
+    def __init__(
+        self, url: str, client: Any, options: RedisOptions | None = None, streams: RespStreams | None = None
+    ) -> None:
+        """Use `from_url`; `client` is a redis.asyncio ``Redis`` or ``RedisCluster``;
+        `streams` (plain TCP or unix socket servers) reads big values in one copy."""
         super().__init__(url)
         self.client = client
+        self.streams = streams
         self.options = options or RedisOptions()
         self.max_object_bytes = self.options.max_object
         self.cluster = isinstance(client, RedisCluster)
@@ -228,7 +237,19 @@ class RedisBackend(Backend):
             pool = aioredis.ConnectionPool.from_url(plain, **common)
             pool.connection_class = gathering(cast(type, pool.connection_class))  # framed values unjoined
             client = aioredis.Redis(connection_pool=pool)
-        return cls(url, client, options)
+        streams = None
+        if scheme in ("redis", "unix"):  # TLS and Cluster stay on redis-py
+            kw = pool.connection_kwargs
+            address = Address(path=kw["path"]) if "path" in kw else Address(kw.get("host", "localhost"), kw.get("port", 6379))
+            streams = RespStreams(
+                address,
+                username=username or None,
+                password=password or None,
+                db=int(kw.get("db", 0) or 0),
+                size=options.inflight,
+                connect_timeout=options.connect_timeout,
+            )
+        return cls(url, client, options, streams)
 
     # -- fault plumbing ----------------------------------------------------------
     def _fault(self, op: str, exc: BaseException) -> None:
@@ -347,8 +368,13 @@ class RedisBackend(Backend):
             raise next(r for r in replies if isinstance(r, Exception))
 
     async def _put_big(self, i: int, name: str, data: Any, ttl: int | None, ok: list[bool]) -> None:
+        key = layout.data_key(self.options.prefix, name)
         async with self._big:
-            ok[i] = bool(await self.client.set(layout.data_key(self.options.prefix, name), data, px=ttl))
+            if self.streams is not None:  # the parts go to the socket as they are
+                parts = data.parts if isinstance(data, Gathered) else [data]
+                ok[i] = await self.streams.stream_set(key.encode("utf-8", "surrogateescape"), parts, ttl)
+            else:
+                ok[i] = bool(await self.client.set(key, data, px=ttl))
 
     async def _put_multi(
         self, i: int, name: str, parts: list[memoryview], size: int, ttl: int | None, ok: list[bool]
@@ -410,6 +436,51 @@ class RedisBackend(Backend):
             else:
                 self.counters.hits += 1
                 self.counters.get_bytes += v.nbytes
+        return out
+
+    async def read_streamed(
+        self, names: Sequence[str], open_sink: Callable[[str], StreamSink]
+    ) -> list[object | None]:
+        """Each value straight into the buffer its sink names (see `kvstore.backends.stream`):
+        one copy from the socket on plain TCP / unix sockets, redis-py's reply otherwise."""
+        sinks = [open_sink(n) for n in names]
+        out: list[object | None] = [None] * len(names)
+        valid = []
+        for i, name in enumerate(names):
+            try:
+                check_object_name(name)
+                valid.append(i)
+            except InvalidKeyError:
+                log.debug("redis get of invalid name %r: miss", name)
+        streams = self.streams
+        if streams is None:
+            raws = await self.get_many([names[i] for i in valid])
+            for i, raw in zip(valid, raws):
+                out[i] = None if raw is None else stream_from_buffer(raw, sinks[i])
+            return out
+        got_bytes = [0]
+
+        async def one(i: int) -> None:
+            name = names[i]
+            key = layout.data_key(self.options.prefix, name).encode("utf-8", "surrogateescape")
+            async with self._big:
+                res = await streams.stream_get(key, sinks[i], layout.MANIFEST_LEN)
+            if isinstance(res, Manifest):  # a multi-part value (or a tiny frame of that length)
+                raw = await self._resolve(name, bytes(res), None, Budget(0))
+                res = None if raw is None else stream_from_buffer(raw, sinks[i])
+            if res is not None:
+                header = getattr(sinks[i], "header", None)
+                got_bytes[0] += getattr(header, "plen", 0)
+                self._typical = max(self._typical, getattr(header, "plen", 0))
+            out[i] = res
+
+        failed = await self._run("get", [one(i) for i in valid], Budget(self._typical * len(valid)))
+        self.counters.gets += len(names)
+        self.counters.get_errors += sum(failed)
+        hits = sum(r is not None for r in out)
+        self.counters.hits += hits
+        self.counters.misses += len(names) - hits
+        self.counters.get_bytes += got_bytes[0]
         return out
 
     async def _strlens(self, names: Sequence[str], idx: list[int], sizes: dict[int, int]) -> None:
@@ -657,6 +728,8 @@ class RedisBackend(Backend):
         return BackendStats(url=redact_url(self.url), counters=self.counters, extra=extra)
 
     async def close(self) -> None:
+        if self.streams is not None:
+            self.streams.close()
         try:
             if self.cluster:
                 await self.client.aclose()
