@@ -247,17 +247,17 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 layout=layouts.pop() if len(layouts) == 1 else payloads[0][1],
             )
             for i, ok in zip(run, res):
-                name = names[i]
-                assert name is not None
+                stored = names[i]
+                assert stored is not None
                 if not ok:
                     all_ok = False
                     continue
                 size = objects[i].get_size()
                 nbytes += size
                 with self._lock:
-                    fresh = name not in self._sizes
-                    self._sizes[name] = size
-                    self._keys[name] = keys[i]
+                    fresh = stored not in self._sizes
+                    self._sizes[stored] = size
+                    self._keys[stored] = keys[i]
                 if fresh:
                     new_keys.append(keys[i])
                     new_sizes.append(size)

@@ -1,0 +1,200 @@
+"""MP mode: kvstore's L2 adapter against LMCache's own L2 adapters of the same kind.
+
+Every adapter is driven the way LMCache's MP server drives it (`plugins.l2_sync.SyncL2`:
+submit a store / lookup / load task, wait on its event fd), in one process, on the same
+chunks, in interleaved rounds (the order rotates each round):
+
+* disk:  kvstore ``file://`` (frames, CRC32C checked on load)  vs LMCache ``fs``
+* redis: kvstore ``redis://``                                   vs LMCache ``resp``
+
+A round stores N fresh chunks in store tasks of `--batch` chunks (timed until every task
+has completed), then looks them up and loads them into preallocated buffers (timed
+from lookup to the last load; page-cache-warm for disk).  The first round checks that
+the bytes loaded are the bytes stored.  Printed: GB/s per adapter, and per pair the
+kvstore / LMCache ratio of each round as min / median / max.
+
+Usage:
+    python benchmarks/bench_l2.py                               # 32 layers x 8 heads x 128, bf16
+    python benchmarks/bench_l2.py --shape smollm2 --rounds 7
+    python benchmarks/bench_l2.py --kinds disk --chunks 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+SHAPES = {
+    # [2 (K, V), layers, tokens per chunk, kv_heads * head_dim], the MP server's chunk object
+    "llama8b": (2, 32, 256, 8 * 128),
+    "smollm2": (2, 30, 256, 3 * 64),
+}
+GB = 1e9
+
+
+@dataclass
+class Config:
+    name: str
+    kind: str
+    make: Callable[[], object]
+    reset: Callable[[], None]
+    store_gbs: list[float] = field(default_factory=list)
+    load_gbs: list[float] = field(default_factory=list)
+
+
+def build_adapter(spec: dict) -> object:
+    """An adapter from its ``--l2-adapter`` JSON, through LMCache's own parser and factory."""
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.config import parse_args_to_l2_adapters_config
+
+    cfg = parse_args_to_l2_adapters_config(argparse.Namespace(l2_adapter=[json.dumps(spec)]))
+    return create_l2_adapter(cfg.adapters[0])
+
+
+def kvstore_spec(tiers: list[str]) -> dict:
+    return {
+        "type": "plugin",
+        "module_path": "plugins.l2_adapter",
+        "class_name": "KVStoreL2Adapter",
+        "adapter_params": {"tiers": tiers, "timeout_s": 30},
+    }
+
+
+def run_round(cfg: Config, data: list[torch.Tensor], dst: list[torch.Tensor], batch: int, base: int, check: bool):
+    from plugins.l2_sync import SyncL2, object_key
+
+    cfg.reset()
+    adapter = cfg.make()
+    try:
+        l2 = SyncL2(adapter, timeout_s=300)
+        keys = [object_key(base + i) for i in range(len(data))]
+        nbytes = sum(t.nbytes for t in data)
+        t0 = time.perf_counter()
+        for s in range(0, len(keys), batch):
+            assert l2.store(keys[s : s + batch], data[s : s + batch]), f"{cfg.name}: store failed"
+        t1 = time.perf_counter()
+        for d in dst:
+            d.zero_()
+        t2 = time.perf_counter()
+        hits = l2.lookup(keys)
+        assert all(hits), f"{cfg.name}: lookup found {sum(hits)} of {len(keys)}"
+        for s in range(0, len(keys), batch):
+            got = l2.load(keys[s : s + batch], dst[s : s + batch])
+            assert all(got), f"{cfg.name}: load found {sum(got)} of {len(got)}"
+        t3 = time.perf_counter()
+        l2.unlock(keys)
+        if check:
+            for a, b in zip(data, dst):
+                assert torch.equal(a, b), f"{cfg.name}: loaded bytes differ"
+        cfg.store_gbs.append(nbytes / GB / (t1 - t0))
+        cfg.load_gbs.append(nbytes / GB / (t3 - t2))
+    finally:
+        adapter.close()  # type: ignore[attr-defined]
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f} / {median(xs):.2f} / {max(xs):.2f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4, help="chunks per store / load task")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kinds", default="disk,redis")
+    p.add_argument("--dir", default=None, help="where the disk adapters write (default: a temp dir)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    shape = SHAPES[args.shape]
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(args.chunks)]
+    dst = [torch.empty_like(t) for t in data]
+    kinds = args.kinds.split(",")
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-l2-"))
+    configs: list[Config] = []
+    cleanup: list[Callable[[], None]] = []
+
+    def fresh(d: Path) -> Callable[[], None]:
+        def reset() -> None:
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+
+        return reset
+
+    if "disk" in kinds:
+        kd, ld = root / "kvstore", root / "lmcache-fs"
+        configs.append(
+            Config("kvstore-file", "disk", lambda: build_adapter(kvstore_spec([f"file://{kd}?fsync=false"])), fresh(kd))
+        )
+        configs.append(Config("lmcache-fs", "disk", lambda: build_adapter({"type": "fs", "base_path": str(ld)}), fresh(ld)))
+    if "redis" in kinds:
+        from tests.support.redis_server import RedisServer
+
+        server = RedisServer(extra=["--maxmemory", "0"]).start()
+        cleanup.append(server.close)
+
+        def flush() -> None:
+            server.command("FLUSHALL")
+
+        configs.append(
+            Config("kvstore-redis", "redis", lambda: build_adapter(kvstore_spec([server.url])), flush)
+        )
+        configs.append(
+            Config(
+                "lmcache-resp",
+                "redis",
+                lambda: build_adapter({"type": "resp", "host": server.host, "port": server.port}),
+                flush,
+            )
+        )
+    try:
+        base = 0
+        for r in range(args.rounds + 1):  # round 0 warms up and checks bytes
+            order = configs[r % len(configs) :] + configs[: r % len(configs)]
+            for cfg in order:
+                base += args.chunks
+                run_round(cfg, data, dst, args.batch, base, check=r == 0)
+                if r == 0:
+                    cfg.store_gbs.clear()
+                    cfg.load_gbs.clear()
+    finally:
+        for fn in cleanup:
+            fn()
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+    mib = data[0].nbytes / (1 << 20)
+    print(
+        f"\n{args.chunks} chunks of {list(shape)} bf16 ({mib:.1f} MiB each), tasks of {args.batch}, "
+        f"{args.rounds} rounds; GB/s min / median / max\n"
+    )
+    print("| adapter | store GB/s | load GB/s |")
+    print("|---|---:|---:|")
+    for cfg in configs:
+        print(f"| {cfg.name} | {spread(cfg.store_gbs)} | {spread(cfg.load_gbs)} |")
+    print("\n| kvstore / LMCache (per round) | store | load |")
+    print("|---|---:|---:|")
+    for _kind, group in itertools.groupby(configs, key=lambda c: c.kind):
+        ours, theirs = list(group)
+        st = [a / b for a, b in zip(ours.store_gbs, theirs.store_gbs)]
+        ld = [a / b for a, b in zip(ours.load_gbs, theirs.load_gbs)]
+        print(f"| {ours.name} / {theirs.name} | {spread(st)} | {spread(ld)} |")
+
+
+if __name__ == "__main__":
+    main()
