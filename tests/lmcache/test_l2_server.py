@@ -175,3 +175,33 @@ def test_s3_tier_outage_is_a_miss_within_the_deadline(tmp_path: Path, seaweed: S
             _outage(server, lambda: seaweed._signal(signal.SIGSTOP), lambda: seaweed._signal(signal.SIGCONT))
         else:
             _outage(server, seaweed.kill, seaweed.restart)
+
+
+def _restart_reuse(server: MPServer) -> None:
+    toks = tokens(2 * CHUNK, seed=7)
+    kv = random_kv(len(toks), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=7)
+    with client(server) as c:
+        assert c.store(toks, kv) == 2 * CHUNK
+        assert c.wait_stored(toks, timeout=60)
+    server.kill()
+    server.start()
+    with client(server) as c:
+        hit, got = c.retrieve(toks)
+        assert hit == 2 * CHUNK, "a server restarted after kill -9 finds what it stored"
+        assert bytes_equal(got, kv)
+
+
+@needs(redis_available(), "redis-server", REDIS_INSTALL)
+def test_redis_tier_survives_a_server_kill(tmp_path: Path) -> None:
+    with RedisServer(workdir=tmp_path / "redis") as redis:
+        spec = kvstore_adapter([redis.url])
+        with MPServer([spec], chunk_size=CHUNK, l1_size_gb=0.2, log_path=tmp_path / "server.log") as server:
+            _restart_reuse(server)
+
+
+def test_s3_tier_survives_a_server_kill(tmp_path: Path, seaweed: SeaweedS3) -> None:
+    spec = kvstore_adapter([seaweed.url("kvstore-mp", "restart")])
+    with MPServer(
+        [spec], chunk_size=CHUNK, l1_size_gb=0.2, env=seaweed.env(), log_path=tmp_path / "server.log"
+    ) as server:
+        _restart_reuse(server)
