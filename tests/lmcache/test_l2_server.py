@@ -205,3 +205,26 @@ def test_s3_tier_survives_a_server_kill(tmp_path: Path, seaweed: SeaweedS3) -> N
         [spec], chunk_size=CHUNK, l1_size_gb=0.2, env=seaweed.env(), log_path=tmp_path / "server.log"
     ) as server:
         _restart_reuse(server)
+
+
+def test_lmcache_l2_eviction_works_over_the_adapter(tmp_path: Path) -> None:
+    """LMCache's own L2 eviction (the adapter JSON's "eviction" key) reads the adapter's
+    capacity and usage and deletes through it: the files go from the disk tier."""
+    disk = tmp_path / "disk"
+    spec = kvstore_adapter([f"file://{disk}?capacity=64MiB&fsync=false"])
+    spec["eviction"] = {"eviction_policy": "LRU", "trigger_watermark": 0.3, "eviction_ratio": 0.5}
+    with MPServer([spec], chunk_size=CHUNK, l1_size_gb=0.2, log_path=tmp_path / "server.log") as server:
+        toks = tokens(8 * CHUNK, seed=9)
+        kv = random_kv(len(toks), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=9)
+        with client(server) as c:
+            assert c.store(toks, kv) == 8 * CHUNK  # 8 x 5.9 MB: past 0.3 x 64 MiB
+            deadline = time.monotonic() + 60
+
+            def files() -> int:
+                return sum(1 for p in disk.rglob("*") if p.is_file() and "quarantine" not in p.parts)
+
+            while files() < 8 and time.monotonic() < deadline and not c.wait_stored(timeout=1):
+                pass
+            while files() >= 8 and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert files() < 8, "LMCache's eviction deleted chunks through the adapter"
