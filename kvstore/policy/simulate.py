@@ -9,6 +9,11 @@ block after that prefix is stored (a block already held somewhere is touched), a
 batch whose blocks are protected from eviction while it is stored.  `kvstore.tiered`
 runs the same `Placement` calls for `prefix_lookup` / `get_many` / `put_many`, so a live
 replay reproduces these hit counts exactly.
+
+``parents=False`` withholds each block's place in its prefix chain: every block is
+stored with no metadata (no parent, depth 0, not a tail), as ``put_many(...,
+chained=False)`` stores it — what the store sees when it cannot tell a chunk's
+predecessor (e.g. rolling-hash keys with no preceding lookup).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from kvstore.policy import DEFAULT_POLICY, ChunkMeta, make_policy
+from kvstore.policy.base import NO_META
 from kvstore.policy.engine import Placement, TierState
 from kvstore.policy.trace import BLOCK_TOKENS, Request, distinct_blocks
 
@@ -99,8 +105,12 @@ def build_placement(
     return Placement(states, promote=promote)
 
 
-def replay(placement: Placement, requests: list[Request], block_bytes: int = 1) -> int:
-    """Run `requests` through `placement`; the number of prefix-hit blocks."""
+def replay(placement: Placement, requests: list[Request], block_bytes: int = 1, parents: bool = True) -> int:
+    """Run `requests` through `placement`; the number of prefix-hit blocks.
+
+    parents: tell the policies each stored block's chain position (`chain_meta`); False
+    stores every block with `NO_META`, as an unchained ``put_many``.
+    """
     hits = 0
     prefix = placement.prefix
     hit = placement.hit
@@ -112,7 +122,7 @@ def replay(placement: Placement, requests: list[Request], block_bytes: int = 1) 
         for i in range(n):
             hit(keys[i])  # as a live read: the policy knows the chunk from when it was stored
         for i in range(n, len(keys)):
-            store(keys[i], block_bytes, chain_meta(keys, i))
+            store(keys[i], block_bytes, chain_meta(keys, i) if parents else NO_META)
     return hits
 
 
@@ -122,10 +132,11 @@ def simulate(
     block_bytes: int = 1,
     prefill_tokens_per_s: float = 10_000.0,
     block_tokens: int = BLOCK_TOKENS,
+    parents: bool = True,
 ) -> SimResult:
     """Replay `requests` through `tiers` (capacities in bytes; blocks are `block_bytes` each)."""
     placement = build_placement(tiers, requests)
-    hits = replay(placement, requests, block_bytes)
+    hits = replay(placement, requests, block_bytes, parents)
     refs = sum(len(r.hash_ids) for r in requests)
     out_tiers = []
     load = 0.0
@@ -166,7 +177,11 @@ def simulate(
     )
 
 
-def single_tier(requests: list[Request], fraction: float, policy: str = DEFAULT_POLICY) -> SimResult:
+def single_tier(
+    requests: list[Request], fraction: float, policy: str = DEFAULT_POLICY, parents: bool = True
+) -> SimResult:
     """The fixed benchmark: one tier holding `fraction` × distinct blocks, equal-size blocks."""
     cap = int(fraction * distinct_blocks(requests))
-    return simulate(requests, [TierModel(capacity=cap, policy=policy, name="tier0")], block_bytes=1)
+    return simulate(
+        requests, [TierModel(capacity=cap, policy=policy, name="tier0")], block_bytes=1, parents=parents
+    )
