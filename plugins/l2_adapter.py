@@ -122,7 +122,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             config = KVStoreL2AdapterConfig.from_dict(dict(config))
         self.config = config
         cfg = config.store
-        capacity = _store_capacity(cfg)
+        capacity = store_capacity(cfg)
         super().__init__(max_capacity_bytes=capacity)
         self.counters = L2Counters()
         self._ns = cfg.namespace
@@ -498,7 +498,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             efd.close()
 
 
-def _store_capacity(cfg: StoreConfig) -> int:
+def store_capacity(cfg: StoreConfig) -> int:
     """What LMCache's L2 eviction may take as this adapter's capacity: the largest tier
     budget when every tier has one (the store can hold no more distinct chunks than
     that), else 0 (some tier is unbounded: LMCache's global eviction stays off)."""
@@ -509,4 +509,4 @@ def _store_capacity(cfg: StoreConfig) -> int:
     return max(budgets) if all(budgets) else 0  # type: ignore[type-var, return-value]
 
 
-__all__ = ["KVStoreL2Adapter", "KVStoreL2AdapterConfig"]
+__all__ = ["KVStoreL2Adapter", "KVStoreL2AdapterConfig", "store_capacity"]

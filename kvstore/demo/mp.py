@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.demo.run import DemoReport, PassReport, PromptResult, per_tier, restart_plans, resume
+from kvstore.demo.run import DemoReport, PassReport, PromptResult, load_demo, per_tier, restart_plans, resume
 from kvstore.store_config import TierConfig
 
 
@@ -62,14 +62,9 @@ def run_demo_mp(
     threads: int | None = None,
     step: Callable[[str], None] = lambda msg: None,
 ) -> DemoReport:
-    from kvstore.demo.model import demo_prompts, load_model
     from kvstore.lmcache_mp import MPClient, MPServer
 
-    t0 = time.perf_counter()
-    model = load_model(threads)
-    model_load_s = time.perf_counter() - t0
-    step("model loaded")
-    ids_list = demo_prompts(model.tokenizer, prompts, prompt_tokens)
+    model, ids_list, model_load_s = load_demo(threads, prompts, prompt_tokens, step)
     logs = Path(tempfile.mkdtemp(prefix="kvstore-demo-mp-"))
 
     def server(ts: list[TierConfig], n: int) -> MPServer:

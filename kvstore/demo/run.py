@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -152,6 +153,19 @@ def resume(
     )
 
 
+def load_demo(
+    threads: int | None, prompts: int, prompt_tokens: int, step: Callable[[str], None]
+) -> tuple[Any, list[torch.Tensor], float]:
+    """(the demo model, its prompts' token ids, seconds the model took to load)."""
+    from kvstore.demo.model import demo_prompts, load_model
+
+    t0 = time.perf_counter()
+    model = load_model(threads)
+    model_load_s = time.perf_counter() - t0
+    step("model loaded")
+    return model, demo_prompts(model.tokenizer, prompts, prompt_tokens), model_load_s
+
+
 def restart_plans(tiers: list[TierConfig]) -> list[tuple[str, list[TierConfig]]]:
     """The passes after the first: a restart (empty hot tier), and for a lossy last tier,
     that tier alone."""
@@ -175,15 +189,10 @@ def run_demo(
     threads: int | None = None,
     step: Callable[[str], None] = lambda msg: None,
 ) -> DemoReport:
-    from kvstore.demo.model import demo_prompts, load_model
     from plugins.engine import build_cpu_engine
     from plugins.hf_connector import empty_kv
 
-    t0 = time.perf_counter()
-    model = load_model(threads)
-    model_load_s = time.perf_counter() - t0
-    step("model loaded")
-    ids_list = demo_prompts(model.tokenizer, prompts, prompt_tokens)
+    model, ids_list, model_load_s = load_demo(threads, prompts, prompt_tokens, step)
 
     def engine_env(ts: list[TierConfig]) -> dict[str, str]:
         extra = {

@@ -95,7 +95,7 @@ def test_server_example_is_accepted_by_lmcache_and_kvstore(n: int, tmp_path: Pat
 
     from kvstore.store_config import _written_through
     from kvstore.tiered import split_store_options
-    from plugins.l2_adapter import KVStoreL2AdapterConfig, _last_tier_capacity
+    from plugins.l2_adapter import KVStoreL2AdapterConfig, store_capacity
 
     calls, _ = run_block(SERVER_BLOCKS[n], tmp_path)
     argv = calls["lmcache"]
@@ -111,7 +111,7 @@ def test_server_example_is_accepted_by_lmcache_and_kvstore(n: int, tmp_path: Pat
     assert cfg.store.tiers[0].url == "file:///var/cache/kvstore?capacity=500GiB&fsync=false"
     if "eviction" in spec:
         assert adapters[0].eviction_config is not None
-        assert _last_tier_capacity(cfg.store) > 0, "LMCache's eviction needs a capacity on the last tier"
+        assert store_capacity(cfg.store) > 0, "LMCache's eviction needs a capacity on every tier"
     for tier in cfg.store.tiers[1:]:
         mode = split_store_options(_written_through(tier.url))[1]["write"]
         assert mode == ("back" if tier.url.startswith("s3://") else "through")
