@@ -22,6 +22,9 @@ Primitives (all batched; one call moves many objects):
   listing tools); the default reads whole objects, backends override with ranged reads.
 * ``check()`` raises `BackendUnavailableError` saying what to fix when the backend
   cannot be used at all (server unreachable, bucket missing, bad credentials).
+* ``retention_risks() -> [str]`` the ways the store may drop an object it accepted
+  without being asked (a byte budget, a TTL, a server's eviction policy), each naming
+  the setting and its fix; empty (the default) when what is written stays until deleted.
 * ``stats() -> BackendStats``, ``close()``.
 
 Faults (server down, disk full, permission denied) are counted in `stats()` and turned
@@ -194,6 +197,16 @@ class Backend(abc.ABC):
     async def read_heads(self, names: Sequence[str], nbytes: int) -> builtins.list[memoryview | None]:
         """The first `nbytes` of each object (None = missing)."""
         return [None if v is None else v[:nbytes] for v in await self.get_many(names)]
+
+    async def retention_risks(self) -> builtins.list[str]:
+        """How this store may drop objects it accepted without being asked to, one sentence
+        each naming the setting and how to turn it off (empty: objects stay until deleted).
+
+        Backends with a byte budget, expiry or a server that evicts override this, asking
+        the server where the answer lives there.  `kvstore migrate --delete-source`
+        refuses a destination that answers anything.
+        """
+        return []
 
     async def check(self) -> None:  # noqa: B027 - optional hook
         """Raise `BackendUnavailableError` if the backend cannot be used; no-op by default."""

@@ -544,6 +544,14 @@ class DiskBackend(Backend):
         self.counters.get_bytes += got
         return result
 
+    async def retention_risks(self) -> list[str]:
+        if self.capacity is None:
+            return []
+        return [
+            f"{redact_url(self.url)} has a byte budget (capacity={self.capacity}) and evicts the least "
+            "recently used objects to stay under it; open it without capacity="
+        ]
+
     async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
         return list(await asyncio.gather(*(self._head(n, nbytes) for n in names)))
 

@@ -135,6 +135,14 @@ class MemoryBackend(Backend):
         self.counters.deletes += sum(out)
         return out
 
+    async def retention_risks(self) -> list[str]:
+        if self.capacity is None:
+            return []
+        return [
+            f"{redact_url(self.url)} has a byte budget (capacity={self.capacity}) and evicts the least "
+            "recently used objects to stay under it; open it without capacity="
+        ]
+
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         for name, (data, mtime) in list(self._space.objects.items()):
             if name.startswith(prefix):

@@ -685,6 +685,71 @@ class RedisBackend(Backend):
             self._fault("gc", exc)
         return removed
 
+    async def retention_risks(self) -> builtins.list[str]:
+        """Expiry this backend sets (``ttl=``, ``ttl.<namespace>=``) and the server's own
+        eviction: ``maxmemory-policy`` from CONFIG GET on every primary, or from INFO
+        where CONFIG is not allowed (managed Redis).  ``volatile-*`` policies evict only
+        keys with an expiry, which this backend sets only under a TTL; ``allkeys-*``
+        policies evict anything once ``maxmemory`` is reached (or set later), so they
+        count whatever ``maxmemory`` is now.  A server that answers neither is a risk too.
+        """
+        where = redact_url(self.url)
+        risks: builtins.list[str] = []
+        if self.options.ttl is not None:
+            risks.append(
+                f"{where} sets every object to expire after ttl={self.options.ttl:g}s; drop ?ttl= from the URL"
+            )
+        for ns, ttl in self.options.ttl_by_namespace:
+            if ttl > 0:
+                risks.append(
+                    f"{where} sets objects of namespace {printable_name(ns)!r} to expire after "
+                    f"ttl.{printable_name(ns)}={ttl:g}s; drop that option"
+                )
+        try:
+            policies = await asyncio.wait_for(self._maxmemory_policies(), self.options.deadline(0))
+        except Exception as exc:  # any failure to answer leaves the policy unknown: a risk
+            return [
+                *risks,
+                f"cannot ask Redis at {where} for its maxmemory-policy (CONFIG GET and INFO failed: "
+                f"{type(exc).__name__}: {exc}), so it may evict; allow CONFIG GET or INFO for this user",
+            ]
+        for node, (policy, maxmemory) in sorted(policies.items()):
+            if policy.startswith("allkeys-"):
+                label = f"at {where}" if node == "server" else f"node {node} of {where}"
+                risks.append(
+                    f"Redis {label} evicts any key when memory is full (maxmemory-policy {policy}, "
+                    f"maxmemory {maxmemory}); set maxmemory-policy noeviction "
+                    "(CONFIG SET maxmemory-policy noeviction, or in redis.conf)"
+                )
+        return risks
+
+    async def _maxmemory_policies(self) -> dict[str, tuple[str, str]]:
+        """{node: (maxmemory-policy, maxmemory)} of every primary."""
+
+        def text(v: Any) -> str:
+            return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+        def per_node(answer: Any) -> dict[str, dict[str, Any]]:
+            if (
+                self.cluster
+                and isinstance(answer, dict)
+                and all(isinstance(v, dict) for v in answer.values())
+            ):
+                return {text(k): {text(a): b for a, b in v.items()} for k, v in answer.items()}
+            return {"server": {text(a): b for a, b in dict(answer).items()}}
+
+        target = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}
+        out: dict[str, tuple[str, str]] = {}
+        try:
+            for node, conf in per_node(await self.client.config_get("maxmemory*", **target)).items():
+                out[node] = (text(conf["maxmemory-policy"]), text(conf.get("maxmemory", "?")))
+            return out
+        except (ResponseError, KeyError):  # CONFIG renamed or denied: INFO memory says the same
+            pass
+        for node, info in per_node(await self.client.info("memory", **target)).items():
+            out[node] = (text(info["maxmemory_policy"]), text(info.get("maxmemory", "?")))
+        return out
+
     async def check(self) -> None:
         """PING within the connect deadline; raise `BackendUnavailableError` saying what to fix."""
         try:

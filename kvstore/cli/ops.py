@@ -92,7 +92,12 @@ def _human(n: float) -> str:
     "--recode",
     help="Re-encode payloads on the way: raw, cachegen, or a spec like 'cachegen?profile=smollm2-135m'.",
 )
-@click.option("--delete-source", is_flag=True, help="Delete each source object after its verified write.")
+@click.option(
+    "--delete-source",
+    is_flag=True,
+    help="At the end, delete each source object whose verified copy the destination still holds "
+    "(refused for a destination that may drop objects: capacity=, a TTL, an evicting Redis).",
+)
 @click.option("--dry-run", is_flag=True, help="Say what would be copied; write nothing.")
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-inflight", default="512MiB", show_default=True, help="Bytes held in memory at most.")
@@ -174,7 +179,9 @@ def migrate(
             click.echo(f"corrupt in source, skipped: {printable_name(name)}", err=True)
         for name in report.failed:
             click.echo(f"failed: {printable_name(name)}", err=True)
-    if _report_unlisted(report.unlisted) or report.failed or report.corrupt:
+        for name in report.lost:
+            click.echo(f"gone or changed in the destination, source kept: {printable_name(name)}", err=True)
+    if _report_unlisted(report.unlisted) or report.failed or report.lost or report.corrupt:
         sys.exit(EXIT_FAILURES)
 
 
@@ -275,6 +282,10 @@ def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: b
 @click.option("--namespace", help="Only this namespace (its own budget with --max-bytes).")
 @click.option("--prefix", default="")
 @click.option("--max-bytes", help="Then delete oldest first until at most this many bytes remain.")
+@click.option(
+    "--stale-uploads",
+    help="Abort unfinished multipart uploads (S3) started longer ago than this (default 1h).",
+)
 @click.option("--dry-run", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
 def gc(
@@ -283,17 +294,20 @@ def gc(
     namespace: str | None,
     prefix: str,
     max_bytes: str | None,
+    stale_uploads: str | None,
     dry_run: bool,
     as_json: bool,
 ) -> None:
-    """Delete old objects and bring a store under a byte budget, oldest first."""
+    """Delete old objects and bring a store under a byte budget, oldest first; abort
+    multipart uploads (S3) that were never finished."""
     from kvstore.ops.inspect import gc_store
 
-    if older_than is None and max_bytes is None:
-        raise click.UsageError("say what to collect: --older-than and/or --max-bytes")
+    if older_than is None and max_bytes is None and stale_uploads is None:
+        raise click.UsageError("say what to collect: --older-than, --max-bytes and/or --stale-uploads")
     try:
         age = parse_duration(older_than) if older_than else None
         budget = parse_size(max_bytes) if max_bytes else None
+        uploads_age = parse_duration(stale_uploads) if stale_uploads else 3600.0
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     if max_bytes is not None and budget is None:
@@ -301,7 +315,13 @@ def gc(
 
     async def main(b: Backend) -> Any:
         return await gc_store(
-            b, prefix=prefix, namespace=namespace, older_than_s=age, max_bytes=budget, dry_run=dry_run
+            b,
+            prefix=prefix,
+            namespace=namespace,
+            older_than_s=age,
+            max_bytes=budget,
+            stale_uploads_s=uploads_age,
+            dry_run=dry_run,
         )
 
     report = _run(main, (url, "URL"))
@@ -313,8 +333,15 @@ def gc(
             f"{verb} {len(report.deleted)} of {report.before_objects} objects "
             f"({_human(report.deleted_bytes)}); {_human(report.after_bytes)} remain"
             + (f"; {report.leftovers_removed} leftover parts removed" if report.leftovers_removed else "")
+            + (
+                f"; {report.uploads_aborted} unfinished uploads {'would be ' if dry_run else ''}aborted"
+                if report.uploads_aborted
+                else ""
+            )
         )
     for name in report.not_deleted:
         click.echo(f"could not delete: {printable_name(name)}", err=True)
-    if _report_unlisted(report.unlisted) or report.not_deleted:
+    for name in report.uploads_not_aborted:
+        click.echo(f"could not abort the unfinished upload of: {printable_name(name)}", err=True)
+    if _report_unlisted(report.unlisted) or report.not_deleted or report.uploads_not_aborted:
         sys.exit(EXIT_FAILURES)

@@ -13,8 +13,13 @@ For each source object (listed, filtered by prefix / namespace / model):
    reported and skipped, never copied (and never deleted).
 3. optionally recode the payload (``raw`` ↔ ``cachegen``), keeping the key; the new
    frame records the source checksum in ``meta.source_csum``.
-4. write, read back and verify the destination frame, append the name to the journal,
-   and only then, with `delete_source`, delete the source object.
+4. write, read back and verify the destination frame and append the name to the journal.
+5. with `delete_source`, once every object has been through 1-4: read the frame header
+   of each object written (or found done) back from the destination and the source
+   again, and delete only the source objects whose destination copy is still there and
+   still matches; one gone or changed is reported in ``lost`` and its source is kept.
+   A destination that says it may drop what it holds (`Backend.retention_risks`: a byte
+   budget, a TTL, an evicting Redis) is refused before anything is copied.
 
 Memory stays bounded: at most `concurrency` objects and `max_inflight_bytes` bytes are
 held at once (one object larger than that budget still passes, alone).  Destination
@@ -42,6 +47,7 @@ from kvstore.buffers import BufferPool
 from kvstore.config import kvstore_home, option_int
 from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame, read_header
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix, printable_name
+from kvstore.ops.inspect import read_headers
 from kvstore.tier import OFFLOAD_BYTES
 
 log = logging.getLogger(__name__)
@@ -101,12 +107,13 @@ class MigrationReport:
     deleted: int = 0
     corrupt: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # written, then gone or changed in dst: source kept
     unlisted: list[tuple[str, str]] = field(default_factory=list)  # (what, why) not listed
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return not self.failed
+        return not self.failed and not self.lost
 
     @property
     def mib_s(self) -> float:
@@ -221,12 +228,13 @@ async def migrate(
 
     `progress(objects_done, bytes_done)` is called after each object.
     """
-    if opts.delete_source and not opts.dry_run and dst.stats().capacity_bytes is not None:
-        raise ValueError(
-            f"{redact_url(dst.url)} has a byte budget and may evict what it receives, so "
-            "--delete-source could lose objects; migrate into a URL without capacity= "
-            "or drop --delete-source"
-        )
+    if opts.delete_source and not opts.dry_run:
+        risks = await dst.retention_risks()
+        if risks:
+            raise ValueError(
+                f"--delete-source refused: {redact_url(dst.url)} may drop what it receives, so deleting "
+                "the source could lose objects: " + "; ".join(risks) + ". Fix that, or drop --delete-source"
+            )
     t0 = time.perf_counter()
     report = MigrationReport(src=redact_url(src.url), dst=redact_url(dst.url), dry_run=opts.dry_run)
     if objects is None:
@@ -239,6 +247,9 @@ async def migrate(
     budget = _ByteBudget(opts.max_inflight_bytes)
     tick = progress or (lambda n, b: None)
 
+    # sources to delete once the run is over and their copies are checked again (step 5)
+    settled: list[ObjectInfo] = []
+
     # names the journal says are done: skip those the destination still has
     todo = objects
     journaled = [o for o in objects if o.name in journal.done]
@@ -249,6 +260,7 @@ async def migrate(
         for o in journaled:
             if o.name not in gone:
                 report.already_done += 1
+                settled.append(o)
                 tick(1, o.size)
 
     queue: asyncio.Queue[ObjectInfo] = asyncio.Queue()
@@ -302,7 +314,7 @@ async def migrate(
         if await _done_in_destination(name, frame.header, alloc):
             journal.add(name)
             report.already_done += 1
-            await _delete_source(name)
+            settled.append(info)
             return
         parts = _recode(frame, name, target) if target is not None else [raw]
         expect_csum = read_header(parts[0])[0].csum if target is not None else frame.header.csum
@@ -317,7 +329,7 @@ async def migrate(
         report.copied += 1
         report.copied_bytes += info.size
         report.written_bytes += sum(memoryview(p).nbytes for p in parts)
-        await _delete_source(name)
+        settled.append(info)
 
     async def _done_in_destination(
         name: str, src_header: FrameHeader, alloc: Callable[[int], memoryview]
@@ -343,10 +355,37 @@ async def migrate(
             )
         return False
 
-    async def _delete_source(name: str) -> None:
-        if opts.delete_source:
-            (existed,) = await src.delete_many([name])
-            report.deleted += int(existed)
+    async def delete_settled() -> None:
+        """Step 5: delete the sources whose destination copies still match, batch by batch
+        (at most `max_inflight_bytes` of objects, since some backends read heads whole)."""
+        batch: list[str] = []
+        held = 0
+        for info in settled:
+            if batch and (held + info.size > opts.max_inflight_bytes or len(batch) >= 256):
+                await delete_batch(batch)
+                batch, held = [], 0
+            batch.append(info.name)
+            held += info.size
+        if batch:
+            await delete_batch(batch)
+
+    async def delete_batch(names: list[str]) -> None:
+        there = await read_headers(dst, names, batch=len(names))
+        sources = await read_headers(src, names, batch=len(names))
+        keep: list[str] = []
+        for name, have, was in zip(names, there, sources):
+            if have is not None and was is not None and _matches_source(have, was, opts.recode):
+                keep.append(name)
+                continue
+            why = "gone from the destination" if have is None else "no longer a copy of its source"
+            log.error(
+                "kvstore migrate: %s was written but is %s before its source was deleted; source kept",
+                printable_name(name),
+                why,
+            )
+            report.lost.append(name)
+        if keep:
+            report.deleted += sum(await src.delete_many(keep))
 
     async def worker() -> None:
         while True:
@@ -363,6 +402,8 @@ async def migrate(
 
     try:
         await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
+        if opts.delete_source and not opts.dry_run:
+            await delete_settled()
     finally:
         journal.close()
     report.seconds = time.perf_counter() - t0

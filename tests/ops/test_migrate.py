@@ -262,3 +262,110 @@ def test_cli_migrate_of_swapped_objects_exits_nonzero(tmp_path: Path) -> None:
     )
     assert out.returncode == 1, out.stderr
     assert all(f"corrupt in source, skipped: {n}" in out.stderr for n in list(data)[:2])
+
+
+@pytest.fixture
+def evicting_redis():  # type: ignore[no-untyped-def]
+    from tests.support.redis_server import RedisServer, redis_available
+    from tests.support.required import REDIS_INSTALL, require
+
+    require(redis_available(), "redis-server", REDIS_INSTALL)
+    with RedisServer(extra=["--maxmemory", "10mb", "--maxmemory-policy", "allkeys-lru"]) as srv:
+        yield srv
+
+
+async def test_delete_source_into_an_evicting_redis_is_refused(tmp_path: Path, evicting_redis) -> None:  # type: ignore[no-untyped-def]
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 200, shape=(2, 4, 64, 64))  # 200 x 64 KiB: more than the server's 10mb
+    src, dst = open_backend(src_url), open_backend(evicting_redis.url)
+    try:
+        with pytest.raises(ValueError, match="maxmemory-policy noeviction") as refused:
+            await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+        assert "allkeys-lru" in str(refused.value) and "--delete-source" in str(refused.value)
+        assert await src.contains_many(list(data)) == [True] * 200
+        assert [o async for o in dst.list()] == []  # refused before anything was written
+    finally:
+        await dst.close()
+
+
+async def test_delete_source_deletes_only_what_the_destination_still_holds(
+    tmp_path: Path, evicting_redis, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A destination that evicts without saying so (its risks hidden here): every object is
+    checked again once all are written, and only sources whose copy is still there go."""
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 200, shape=(2, 4, 64, 64))
+    src, dst = open_backend(src_url), open_backend(evicting_redis.url)
+
+    async def no_risks() -> list[str]:
+        return []
+
+    monkeypatch.setattr(dst, "retention_risks", no_risks, raising=False)
+    read_heads = dst.read_heads
+
+    async def stop_evicting_then_read(names, nbytes):  # type: ignore[no-untyped-def]
+        # the server evicted while the objects were written; from the final check on it
+        # stops, so what the check saw is what stays (reads alone can make Redis evict)
+        await dst.client.config_set("maxmemory", 0)
+        return await read_heads(names, nbytes)
+
+    monkeypatch.setattr(dst, "read_heads", stop_evicting_then_read)
+    try:
+        report = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+        names = list(data)
+        in_dst = dict(zip(names, await dst.contains_many(names)))
+        in_src = dict(zip(names, await src.contains_many(names)))
+        assert all(in_dst[n] or in_src[n] for n in names)  # nothing is in neither store
+        assert report.deleted == sum(in_dst.values())
+        assert report.lost and not report.ok, "the server must have evicted part of what was written"
+        assert report.deleted == 200 - len(report.lost) - len(report.failed)
+        assert all(in_src[n] and not in_dst[n] for n in report.lost)
+        await assert_same(evicting_redis.url, {n: t for n, t in data.items() if not in_src[n]})
+    finally:
+        await dst.close()
+
+
+async def test_delete_source_into_a_redis_with_ttl_is_refused(tmp_path: Path, redis_url) -> None:  # type: ignore[no-untyped-def]
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 5)
+    for options in ({"ttl": "2"}, {"ttl.tenant": "60"}):
+        dst = open_backend(redis_url(**options))
+        try:
+            with pytest.raises(ValueError, match="ttl"):
+                await migrate(
+                    open_backend(src_url), dst, MigrateOptions(delete_source=True, journal=tmp_path / "j")
+                )
+            assert await dst.contains_many(list(data)) == [False] * 5
+        finally:
+            await dst.close()
+
+
+def test_cli_delete_source_into_a_redis_with_ttl_names_the_fix(tmp_path: Path, redis_url) -> None:  # type: ignore[no-untyped-def]
+    src_url = (tmp_path / "src").as_uri()
+    data = asyncio.run(fill(src_url, 3))
+    env = {**os.environ, "KVSTORE_HOME": str(tmp_path / "home")}
+    out = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "migrate", src_url, redis_url(ttl="2"), "--delete-source"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "drop ?ttl=" in out.stderr
+    assert asyncio.run(open_backend(src_url).contains_many(list(data))) == [True] * 3
+
+
+async def test_a_rerun_with_delete_source_deletes_what_an_earlier_run_copied(tmp_path: Path) -> None:
+    src_url, dst_url = (tmp_path / "src").as_uri(), (tmp_path / "dst").as_uri()
+    data = await fill(src_url, 6)
+    src, dst = open_backend(src_url), open_backend(dst_url)
+    first = await migrate(src, dst, MigrateOptions(journal=tmp_path / "j"))
+    assert (first.copied, first.deleted) == (6, 0)
+    victim = DiskBackend(tmp_path / "dst").path_of(next(iter(data)))
+    victim.unlink()  # gone from the destination since: copied again, then deleted
+    again = await migrate(
+        src, open_backend(dst_url), MigrateOptions(delete_source=True, journal=tmp_path / "j")
+    )
+    assert (again.copied, again.already_done, again.deleted, again.lost) == (1, 5, 6, [])
+    assert await src.contains_many(list(data)) == [False] * 6
+    await assert_same(dst_url, data)

@@ -1,0 +1,70 @@
+"""Redis: `retention_risks` names what may drop objects the store accepted: a TTL set by
+the URL (for every namespace or one), and the server's own eviction policy, asked from
+the server (CONFIG GET, or INFO where CONFIG is renamed away as managed Redis does)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore.backends import open_backend
+from tests.support.redis_server import RedisServer, redis_available
+from tests.support.required import REDIS_INSTALL, require
+
+
+def serve(*extra: str) -> RedisServer:
+    require(redis_available(), "redis-server", REDIS_INSTALL)
+    return RedisServer(extra=list(extra))
+
+
+async def risks_of(url: str) -> list[str]:
+    b = open_backend(url)
+    try:
+        return await b.retention_risks()
+    finally:
+        await b.close()
+
+
+async def test_a_default_server_and_url_keep_everything(redis_url) -> None:  # type: ignore[no-untyped-def]
+    assert await risks_of(redis_url()) == []
+    assert await risks_of(redis_url(**{"ttl.scratch": "0"})) == []  # 0 = never expire
+
+
+async def test_ttl_options_are_risks_naming_the_option(redis_url) -> None:  # type: ignore[no-untyped-def]
+    (every,) = await risks_of(redis_url(ttl="2"))
+    assert "ttl=2s" in every and "drop ?ttl=" in every
+    (one,) = await risks_of(redis_url(**{"ttl.tenant": "60"}))
+    assert "ttl.tenant=60s" in one and "'tenant'" in one
+
+
+@pytest.mark.parametrize("rename_config", [False, True])
+async def test_an_evicting_policy_is_asked_from_the_server(rename_config: bool) -> None:
+    extra = ["--maxmemory", "10mb", "--maxmemory-policy", "allkeys-lru"]
+    if rename_config:  # as managed Redis does: CONFIG is not available, INFO still says
+        extra += ["--rename-command", "CONFIG", ""]
+    with serve(*extra) as srv:
+        (risk,) = await risks_of(srv.url)
+    assert "allkeys-lru" in risk and "maxmemory-policy noeviction" in risk and "10485760" in risk
+
+
+async def test_volatile_policies_only_evict_keys_with_an_expiry() -> None:
+    with serve("--maxmemory", "10mb", "--maxmemory-policy", "volatile-lru") as srv:
+        assert await risks_of(srv.url) == []
+        (ttl,) = await risks_of(f"{srv.url}?ttl=30")
+        assert "ttl=30s" in ttl
+
+
+async def test_a_server_that_will_not_say_is_a_risk() -> None:
+    with serve("--rename-command", "CONFIG", "", "--rename-command", "INFO", "") as srv:
+        (risk,) = await risks_of(srv.url)
+    assert "cannot ask" in risk and "allow CONFIG GET or INFO" in risk
+
+
+async def test_every_cluster_primary_is_asked(redis_cluster) -> None:  # type: ignore[no-untyped-def]
+    assert await risks_of(redis_cluster.url) == []
+    node = redis_cluster.nodes[1]
+    node.command("CONFIG", "SET", "maxmemory-policy", "allkeys-lfu")
+    try:
+        (risk,) = await risks_of(redis_cluster.url)
+    finally:
+        node.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+    assert f"{node.port}" in risk and "allkeys-lfu" in risk and "noeviction" in risk
