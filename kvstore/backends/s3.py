@@ -18,6 +18,13 @@ credentials or an unreachable endpoint; on first use the same message is logged 
 `list()` raises `S3OpenError`/`S3ListError`: a listing silently cut short would make
 migration or garbage collection act on half the objects.
 
+Multipart uploads never outlive their put: a part that fails, a deadline that passes or a
+cancellation cancels the other parts, then aborts the upload (and aborts again while
+ListParts still finds it, as S3 allows a part in flight to land after an abort) in a task
+of its own, which the put waits for; a second cancellation leaves it running and
+`close()` waits for it.  An upload a killed process left behind is removed by
+`abort_stale_uploads` (``kvstore gc``).
+
 Integrity: each frame carries its own XXH3 checksum, so by default botocore's own
 request checksums are off (``checksum=when_required``); ``checksum=when_supported``
 turns CRC32 on for every request (about 40% fewer PUT MiB/s on this machine).
@@ -28,8 +35,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from email.utils import parsedate_to_datetime
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -51,7 +60,7 @@ from kvstore.backends.breaker import CircuitBreaker
 from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_parts
 from kvstore.backends.s3_options import S3Options
 from kvstore.config import redact_text
-from kvstore.keys import InvalidKeyError, check_object_name
+from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -165,6 +174,7 @@ class S3Backend(Backend):
         self._sem: asyncio.Semaphore | None = None
         self._verified = False
         self._closed = False
+        self._cleanups: set[asyncio.Task[None]] = set()  # multipart aborts still running
 
     @classmethod
     def from_url(cls, url: str) -> S3Backend:
@@ -264,6 +274,8 @@ class S3Backend(Backend):
 
     async def close(self) -> None:
         self._closed = True
+        if self._cleanups and self._loop is asyncio.get_running_loop():
+            await asyncio.wait(set(self._cleanups), timeout=2 * self.options.timeout)
         stack, self._stack, self._client = self._stack, None, None
         if stack is not None and self._loop is asyncio.get_running_loop():
             await stack.aclose()
@@ -346,23 +358,24 @@ class S3Backend(Backend):
             return True
         upload = await self._request(client.create_multipart_upload, Bucket=o.bucket, Key=key)
         upload_id = upload["UploadId"]
+        bounds = [
+            (n + 1, lo, min(size, lo + o.part_size)) for n, lo in enumerate(range(0, size, o.part_size))
+        ]
+
+        async def part(number: int, lo: int, hi: int) -> dict[str, Any]:
+            resp = await self._request(
+                client.upload_part,
+                Bucket=o.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=PartsBody(slice_parts(parts, lo, hi)),
+            )
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        tasks = [asyncio.ensure_future(part(*b)) for b in bounds]
         try:
-            bounds = [
-                (n + 1, lo, min(size, lo + o.part_size)) for n, lo in enumerate(range(0, size, o.part_size))
-            ]
-
-            async def part(number: int, lo: int, hi: int) -> dict[str, Any]:
-                resp = await self._request(
-                    client.upload_part,
-                    Bucket=o.bucket,
-                    Key=key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=PartsBody(slice_parts(parts, lo, hi)),
-                )
-                return {"PartNumber": number, "ETag": resp["ETag"]}
-
-            done = await asyncio.gather(*(part(*b) for b in bounds))
+            done = await asyncio.gather(*tasks)
             await self._request(
                 client.complete_multipart_upload,
                 Bucket=o.bucket,
@@ -371,17 +384,109 @@ class S3Backend(Backend):
                 MultipartUpload={"Parts": list(done)},
             )
         except BaseException:
-            # best effort, off the caller's deadline: do not leave parts billed on the server
-            asyncio.get_running_loop().create_task(self._abort(key, upload_id))
+            # the upload must not outlive this put (its parts are stored, and billed, until
+            # aborted): stop the other parts, then abort, in a task a cancellation of this
+            # one does not stop; a second cancellation leaves it to close()
+            await asyncio.shield(self._spawn(self._abandon(client, key, upload_id, tasks)))
             raise
         return True
 
-    async def _abort(self, key: str, upload_id: str) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                self._client.abort_multipart_upload(Bucket=self.options.bucket, Key=key, UploadId=upload_id),
-                self.options.timeout,
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+        return task
+
+    async def _abandon(
+        self, client: Any, key: str, upload_id: str, parts: Sequence[asyncio.Future[Any]]
+    ) -> None:
+        for t in parts:
+            t.cancel()
+        await asyncio.wait(parts)  # no part request may still be sending once the abort goes
+        for t in parts:
+            if not t.cancelled():
+                t.exception()  # retrieved: the put raises its own failure
+        await self._abort(client, key, upload_id)
+
+    async def _abort(self, client: Any, key: str, upload_id: str) -> bool:
+        """Abort one multipart upload and see it gone (ListParts: NoSuchUpload); True if it
+        is.  S3 may keep a part that was in flight during an abort, so abort again while
+        ListParts still answers.  A failure is counted (``upload_abort_failed``) and logged;
+        ``kvstore gc`` removes what stays."""
+        o = self.options
+        ids = {"Bucket": o.bucket, "Key": key, "UploadId": upload_id}
+        why = "still listed after three aborts"
+        for _ in range(3):
+            try:
+                await asyncio.wait_for(client.abort_multipart_upload(**ids), o.timeout)
+            except Exception as exc:
+                if error_kind(exc) != "not_found":
+                    why = f"{type(exc).__name__}: {redact_text(str(exc))}"
+                    break
+            try:
+                await asyncio.wait_for(client.list_parts(**ids, MaxParts=1), o.timeout)
+            except Exception as exc:
+                if error_kind(exc) == "not_found":
+                    return True
+                why = f"{type(exc).__name__}: {redact_text(str(exc))}"
+                break
+        self.errors["upload_abort_failed"] += 1
+        log.warning(
+            "S3 multipart upload %s of %s could not be aborted (%s); kvstore gc removes it later",
+            upload_id,
+            printable_name(o.name(key)),
+            why,
+        )
+        return False
+
+    # -- incomplete uploads ------------------------------------------------------------
+
+    async def abort_stale_uploads(
+        self, older_than_s: float, *, dry_run: bool = False
+    ) -> tuple[int, list[str]]:
+        """Abort the multipart uploads under this backend's prefix that started more than
+        `older_than_s` seconds ago (by the server's clock): those of writers killed or cut
+        off mid-upload, whose parts the server keeps until aborted.  Returns how many were
+        aborted (with `dry_run`: would be) and the names of those that could not be.
+        Uploads still running are younger than any sensible threshold: a multipart put
+        ends, or is aborted, within its ``timeout``.  A listing that fails is recorded in
+        ``unlisted``."""
+        if not await self._ready():
+            self.unlisted.append((f"multipart uploads in {redact_url(self.url)}", "bucket not reachable"))
+            return 0, []
+        o, client = self.options, self._client
+        kw: dict[str, Any] = {"Bucket": o.bucket, "Prefix": o.key("")}
+        uploads: list[tuple[str, str]] = []
+        try:
+            while True:
+                page = await asyncio.wait_for(self._request(client.list_multipart_uploads, **kw), o.timeout)
+                now = _server_time(page)
+                for up in page.get("Uploads", ()):
+                    if now - up["Initiated"].timestamp() > older_than_s:
+                        uploads.append((up["Key"], up["UploadId"]))
+                if not page.get("IsTruncated"):
+                    break
+                kw["KeyMarker"] = page.get("NextKeyMarker", "")
+                kw["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+        except Exception as exc:
+            self.errors[error_kind(exc)] += 1
+            self.unlisted.append(
+                (
+                    f"multipart uploads in {redact_url(self.url)}",
+                    f"{type(exc).__name__}: {redact_text(str(exc))}",
+                )
             )
+        if dry_run:
+            return len(uploads), []
+
+        async def abort(key: str, upload_id: str) -> bool:
+            assert self._sem is not None
+            async with self._sem:
+                return await self._abort(client, key, upload_id)
+
+        results = await asyncio.gather(*(abort(k, u) for k, u in uploads))
+        stale = [o.name(k) for (k, _), ok in zip(uploads, results) if not ok]
+        return sum(results), stale
 
     # -- get ---------------------------------------------------------------------------
 
@@ -595,6 +700,15 @@ class S3Backend(Backend):
                 "retry_mode": o.retry_mode,
             },
         )
+
+
+def _server_time(response: dict[str, Any]) -> float:
+    """The server's clock from a response's Date header (our own clock without one)."""
+    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    try:
+        return parsedate_to_datetime(date).timestamp() if date else time.time()
+    except (TypeError, ValueError):
+        return time.time()
 
 
 def _total_size(content_range: str | None, length: int) -> int:

@@ -222,6 +222,8 @@ class GcReport:
     deleted_bytes: int = 0
     after_bytes: int = 0
     leftovers_removed: int = 0
+    uploads_aborted: int = 0  # unfinished multipart uploads (S3) aborted, or would be with dry_run
+    uploads_not_aborted: list[str] = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
     not_deleted: list[str] = field(default_factory=list)  # chosen, but still there after delete
 
@@ -236,10 +238,13 @@ async def gc_store(
     namespace: str | None = None,
     older_than_s: float | None = None,
     max_bytes: int | None = None,
+    stale_uploads_s: float = 3600.0,
     dry_run: bool = False,
 ) -> GcReport:
     """Delete objects older than `older_than_s`, then oldest first until ≤ `max_bytes`;
-    then let the backend drop its own leftovers (a Redis backend's orphaned value parts).
+    then let the backend drop its own leftovers (a Redis backend's orphaned value parts,
+    an S3 backend's multipart uploads started more than `stale_uploads_s` ago and never
+    finished, whose parts the server keeps until they are aborted).
 
     With `namespace`, only that namespace is considered and `max_bytes` is its budget.
     Age is the frame's creation time where readable, else the object's mtime.
@@ -277,6 +282,13 @@ async def gc_store(
     collect = getattr(backend, "collect_garbage", None)  # backend-internal leftovers (Redis parts)
     if collect is not None and not dry_run:
         report.leftovers_removed = await collect()
+    abort_stale = getattr(backend, "abort_stale_uploads", None)  # S3: uploads killed writers left
+    if abort_stale is not None:
+        backend.unlisted.clear()
+        report.uploads_aborted, report.uploads_not_aborted = await abort_stale(
+            stale_uploads_s, dry_run=dry_run
+        )
+        report.unlisted.extend(backend.unlisted)
     report.deleted = [o.name for o in doomed]
     report.deleted_bytes = sum(o.size for o in doomed)
     report.after_bytes = report.before_bytes - report.deleted_bytes
