@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="chunks per store / load task")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--kinds", default="disk,redis")
+    p.add_argument("--redis-opts", default="", help="query options for kvstore's Redis URL, e.g. ?inflight=8")
     p.add_argument("--dir", default=None, help="where the disk adapters write (default: a temp dir)")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -151,8 +152,10 @@ def main() -> None:
         def flush() -> None:
             server.command("FLUSHALL")
 
+        kv_redis = server.url + args.redis_opts
+
         configs.append(
-            Config("kvstore-redis", "redis", lambda: build_adapter(kvstore_spec([server.url])), flush)
+            Config("kvstore-redis", "redis", lambda: build_adapter(kvstore_spec([kv_redis])), flush)
         )
         configs.append(
             Config(
