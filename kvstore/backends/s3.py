@@ -439,6 +439,58 @@ class S3Backend(Backend):
         )
         return False
 
+    # -- retention ---------------------------------------------------------------------
+
+    async def retention_risks(self) -> list[str]:
+        """The bucket's lifecycle rules that expire objects under this backend's prefix, or
+        move them to a storage class GET cannot read (GetBucketLifecycleConfiguration).
+        A rule filtered on tags never matches (kvstore writes no tags); size filters are
+        taken to match.  No configuration, or a server without lifecycle support, keeps
+        everything; a bucket that will not say is a risk."""
+        where = redact_url(self.url)
+        if not await self._ready():
+            return [f"cannot reach {where} to read its bucket's lifecycle rules ({self.last_open_error})"]
+        o = self.options
+        try:
+            answer = await asyncio.wait_for(
+                self._client.get_bucket_lifecycle_configuration(Bucket=o.bucket), o.timeout
+            )
+        except Exception as exc:
+            code, status = error_code(exc)
+            if code in ("NoSuchLifecycleConfiguration", "NotImplemented") or status == 501:
+                return []
+            return [
+                f"cannot read the lifecycle rules of bucket {o.bucket!r} at {where} "
+                f"({type(exc).__name__}: {redact_text(str(exc))}), which may expire objects; "
+                "allow s3:GetLifecycleConfiguration"
+            ]
+        base = o.key("")
+        risks = []
+        for rule in answer.get("Rules", ()):
+            if rule.get("Status") != "Enabled":
+                continue
+            flt = rule.get("Filter", {})
+            scope = flt.get("And", flt)
+            if scope.get("Tag") or scope.get("Tags"):
+                continue
+            prefix = str(scope.get("Prefix", rule.get("Prefix", "")) or "")
+            if not (base.startswith(prefix) or prefix.startswith(base)):
+                continue
+            what = []
+            expiry = rule.get("Expiration", {})
+            if "Days" in expiry or "Date" in expiry:
+                when = f"{expiry['Days']} days" if "Days" in expiry else f"{expiry['Date']}"
+                what.append(f"expires objects after {when}")
+            for move in rule.get("Transitions", ()):
+                when = f"{move['Days']} days" if "Days" in move else f"{move.get('Date')}"
+                what.append(f"moves objects to {move.get('StorageClass')} after {when}")
+            if what:
+                risks.append(
+                    f"lifecycle rule {str(rule.get('ID', '?'))!r} of bucket {o.bucket!r} (prefix {prefix!r}) "
+                    f"{' and '.join(what)}; remove it or narrow it to a prefix outside {base or 'the bucket'!r}"
+                )
+        return risks
+
     # -- incomplete uploads ------------------------------------------------------------
 
     async def abort_stale_uploads(

@@ -96,7 +96,8 @@ def _human(n: float) -> str:
     "--delete-source",
     is_flag=True,
     help="At the end, delete each source object whose verified copy the destination still holds "
-    "(refused for a destination that may drop objects: capacity=, a TTL, an evicting Redis).",
+    "(refused for a destination that may drop objects: capacity=, a TTL, an evicting Redis, "
+    "an S3 lifecycle expiry).",
 )
 @click.option("--dry-run", is_flag=True, help="Say what would be copied; write nothing.")
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1))
