@@ -146,6 +146,7 @@ class StoreStats:
     pinned: int = 0
     declined: int = 0  # reads the caller skipped, or whose buffer did not fit the frame
     discovered: int = 0  # objects found in a tier the engine did not know of, and adopted
+    found: int = 0  # lookups that found an object the engine did not know of (not yet read)
 
 
 class _Protected:
@@ -226,6 +227,7 @@ class TieredStore:
         self._pooled = [not s.tier.backend.url.startswith("mem:") for s in self.specs]
         self._declined = 0
         self._discovered = 0
+        self._found = 0
         # called with the names that left every tier (evicted or deleted)
         self.on_gone: Callable[[list[str]], None] | None = None
         # per tier: a deadline on every call, and a breaker that fails fast after a miss
@@ -363,6 +365,7 @@ class TieredStore:
                 break
             asked = [names[i] for i in todo]
             held = await self._guard(j, tier.contains_many(asked), [False] * len(asked), "contains")
+            self._found += sum(held)
             for i, h in zip(todo, held):
                 found[i] = h
             todo = [i for i in todo if not found[i]]
@@ -1046,6 +1049,7 @@ class TieredStore:
             pinned=sum(1 for t in self._pins.values() if t > now),
             declined=self._declined,
             discovered=self._discovered,
+            found=self._found,
         )
 
     async def close(self) -> None:

@@ -326,6 +326,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 bitmap.set(i)
         self.counters.lookups += n
         self.counters.lookup_hits += bitmap.popcount()
+        self.runtime.saw_lookups(n)
         self._complete_lookup(tid, bitmap)
 
     def _complete_lookup(self, tid: L2TaskId, bitmap: Bitmap) -> None:

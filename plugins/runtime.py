@@ -20,8 +20,10 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
 
+from kvstore.keys import namespace_prefix
 from kvstore.metrics_export import export_store, forget_store
 from kvstore.store_config import StoreConfig, StoreConfigError
+from plugins.reuse_watch import ReuseWatch
 
 log = logging.getLogger("kvstore.plugins")
 T = TypeVar("T")
@@ -84,6 +86,8 @@ class StoreRuntime:
             log.error("kvstore could not open its tiers %s: %s", cfg.describe()["tiers"], exc)
             raise
         self.metrics_label = export_store(self.store, name=name, plugin=self)  # docs/operations.md
+        self.reuse = ReuseWatch(namespace=cfg.namespace)
+        self.submit(self._count_existing())
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -123,10 +127,38 @@ class StoreRuntime:
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
         return default
 
+    # ------------------------------------------------- reuse across restarts
+    async def _count_existing(self) -> None:
+        """How many chunks earlier runs left in the tiers (up to what the watch needs)."""
+        w = self.reuse
+        try:
+            for tier in self.store.tiers:
+                async for _ in tier.backend.list(namespace_prefix(self.cfg.namespace)):
+                    w.existing += 1
+                    if w.existing >= w.min_existing:
+                        return
+        except Exception as exc:
+            log.debug("kvstore: counting earlier chunks failed: %s", exc)
+        finally:
+            w.complete = True
+
+    def saw_lookups(self, n: int) -> None:
+        """`n` chunk names were looked up; warn once if a store of old chunks never serves one."""
+        self.reuse.saw_lookups(n)
+        if self.reuse.due():
+            self.loop.call_soon_threadsafe(self._check_reuse)
+
+    def _check_reuse(self) -> None:
+        st = self.store.stats()
+        message = self.reuse.check(st.discovered + st.found)
+        if message:
+            log.warning(message)
+
     # ------------------------------------------------------------ prefix chains
     def note_lookup(self, names: list[str], hit: int) -> None:
         """A lookup of a prompt's chunk names found `hit` of them: the store that follows
         starts at ``names[hit]``, whose parent is ``names[hit - 1]``."""
+        self.saw_lookups(len(names))
         if 0 < hit < len(names):
             self.note_chain(names[hit - 1 : hit + 1])
 
