@@ -28,8 +28,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from plugins.chunk_io import read_chunks, write_chunks
-from plugins.keymap import object_name
+from plugins.bridge import InProcessBridge
 from plugins.runtime import StoreRuntime, load_config, log
 
 
@@ -60,11 +59,11 @@ class KVStoreRemoteConnector(RemoteConnector):
             "remote connector",
         )
         self.runtime = StoreRuntime(self.kv_config, name="kvstore-connector")
-        self._ns = self.kv_config.namespace
+        self.bridge = InProcessBridge(self.runtime, local_cpu_backend, count_inflight=False)
         log.info("kvstore remote connector ready: %s", self.kv_config.describe())
 
     def _name(self, key: CacheEngineKey) -> str:
-        return object_name(key, self._ns)
+        return self.bridge.names([key])[0]
 
     # ------------------------------------------------------------------ lookups
     async def exists(self, key: CacheEngineKey) -> bool:
@@ -80,10 +79,7 @@ class KVStoreRemoteConnector(RemoteConnector):
         return True
 
     def batched_contains(self, keys: list[CacheEngineKey]) -> int:
-        names = [self._name(k) for k in keys]
-        n = self.runtime.call(self.runtime.store.prefix_lookup(names), 0, "lookup")
-        self.runtime.note_lookup(names, n)
-        return n
+        return self.bridge.lookup(keys)
 
     def support_batched_async_contains(self) -> bool:
         return True
@@ -91,10 +87,7 @@ class KVStoreRemoteConnector(RemoteConnector):
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        names = [self._name(k) for k in keys]
-        n = await self.runtime.acall(self.runtime.store.prefix_lookup(names), 0, "lookup")
-        self.runtime.note_lookup(names, n)
-        return n
+        return await self.bridge.alookup(keys)
 
     # -------------------------------------------------------------------- reads
     async def get(self, key: CacheEngineKey) -> MemoryObj | None:
@@ -104,18 +97,13 @@ class KVStoreRemoteConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        names = [self._name(k) for k in keys]
-        coro = read_chunks(self.runtime.store, names, self.local_cpu_backend, self.runtime.counters)
-        return await self.runtime.acall(coro, [None] * len(keys), "read")
+        return await self.runtime.acall(self.bridge.read(self.bridge.names(keys)), [None] * len(keys), "read")
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
-        names = [self._name(k) for k in keys]
-        coro = read_chunks(
-            self.runtime.store, names, self.local_cpu_backend, self.runtime.counters, prefix_only=True
-        )
+        coro = self.bridge.read(self.bridge.names(keys), prefix_only=True)
         return await self.runtime.acall(coro, [], "read")
 
     # ------------------------------------------------------------------- writes
@@ -126,25 +114,7 @@ class KVStoreRemoteConnector(RemoteConnector):
         return True
 
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        names = [self._name(k) for k in keys]
-        items = [(n, o, o.get_size()) for n, o in zip(names, memory_objs)]
-        for o in memory_objs:  # our own reference, held until the write really ends
-            o.ref_count_up()
-
-        first_parent = self.runtime.parent_of(names[0]) if names else None
-
-        def make_coro(chosen: list[int]):
-            parent = names[chosen[0] - 1] if chosen[0] else first_parent
-            return write_chunks(
-                self.runtime.store,
-                [names[i] for i in chosen],
-                [memory_objs[i] for i in chosen],
-                parent=parent,
-            )
-
-        fut, chosen = self.runtime.start_put(items, make_coro, lambda i: memory_objs[i].ref_count_down())
-        for i in set(range(len(memory_objs))) - set(chosen):
-            memory_objs[i].ref_count_down()
+        fut = self.bridge.write(keys, memory_objs)  # holds its own references until the write ends
         if fut is not None:
             done, _ = await asyncio.wait({asyncio.wrap_future(fut)}, timeout=self.kv_config.timeout_s)
             if not done:  # never cancel: the write keeps its reference until it ends

@@ -29,8 +29,7 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from plugins.chunk_io import read_chunks, write_chunks
-from plugins.keymap import object_name
+from plugins.bridge import InProcessBridge
 from plugins.runtime import StoreRuntime, load_config, log
 
 
@@ -61,40 +60,26 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         blocking = getattr(config, "blocking_timeout_secs", None)
         self.kv_config = load_config(extra, blocking, "storage plugin")
         self.runtime = StoreRuntime(self.kv_config, name="kvstore-plugin")
-        self._ns = self.kv_config.namespace
+        self.bridge = InProcessBridge(self.runtime, local_cpu_backend, count_inflight=True)
         log.info("kvstore storage plugin ready: %s", self.kv_config.describe())
 
     def __str__(self) -> str:
         return "KVStoreStoragePlugin"
 
     def _name(self, key: CacheEngineKey) -> str:
-        return object_name(key, self._ns)
+        return self.bridge.names([key])[0]
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        names = [self._name(k) for k in keys]
-        n = 0
-        while n < len(names) and self.runtime.inflight(names[n]) is not None:
-            n += 1  # being written by this process: visible to its own readers
-        if n < len(names):
-            n += self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
-        self.runtime.note_lookup(names, n)
-        return n
+        return self.bridge.lookup(keys)
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        names = [self._name(k) for k in keys]
-        n = 0
-        while n < len(names) and self.runtime.inflight(names[n]) is not None:
-            n += 1
-        if n < len(names):
-            n += await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
-        self.runtime.note_lookup(names, n)
-        return n
+        return await self.bridge.alookup(keys)
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         return self.runtime.inflight(self._name(key)) is not None
@@ -107,31 +92,14 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         transfer_spec: Any = None,
         on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
     ) -> list[concurrent.futures.Future] | None:
-        names = [self._name(k) for k in keys]
-        items = [(n, o, o.get_size()) for n, o in zip(names, objs)]
-
-        first_parent = self.runtime.parent_of(names[0]) if names else None
-
-        def make_coro(chosen: list[int]):
-            parent = names[chosen[0] - 1] if chosen[0] else first_parent
-            return write_chunks(
-                self.runtime.store, [names[i] for i in chosen], [objs[i] for i in chosen], parent=parent
-            )
-
-        def release(i: int) -> None:
-            objs[i].ref_count_down()
+        def done(i: int) -> None:
             if on_complete_callback is not None:
                 try:
                     on_complete_callback(keys[i])
                 except Exception as exc:
                     log.warning("kvstore: on_complete_callback for %s failed: %s", keys[i], exc)
 
-        # take references before the write can start; give back those not written
-        for o in objs:
-            o.ref_count_up()
-        fut, chosen = self.runtime.start_put(items, make_coro, release)
-        for i in set(range(len(objs))) - set(chosen):
-            objs[i].ref_count_down()
+        fut = self.bridge.write(keys, objs, done)
         return [fut] if fut is not None else None
 
     async def async_batched_submit_put_task(
@@ -144,29 +112,20 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        names = [self._name(k) for k in keys]
-        self._wait_inflight(names)
-        coro = read_chunks(self.runtime.store, names, self.local_cpu_backend, self.runtime.counters)
-        return self.runtime.call(coro, [None] * len(keys), "read")
+        names = self.bridge.names(keys)
+        self.bridge.wait_written(names, self.kv_config.timeout_s)
+        return self.runtime.call(self.bridge.read(names), [None] * len(keys), "read")
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
     ) -> list[MemoryObj]:
-        names = [self._name(k) for k in keys]
+        names = self.bridge.names(keys)
         pending = [f for f in (self.runtime.inflight(n) for n in names) if f is not None]
         if pending:
             await asyncio.wait(
                 [asyncio.wrap_future(f) for f in set(pending)], timeout=self.kv_config.timeout_s
             )
-        coro = read_chunks(
-            self.runtime.store, names, self.local_cpu_backend, self.runtime.counters, prefix_only=True
-        )
-        return await self.runtime.acall(coro, [], "read")
-
-    def _wait_inflight(self, names: list[str]) -> None:
-        pending = {f for f in (self.runtime.inflight(n) for n in names) if f is not None}
-        if pending:
-            concurrent.futures.wait(pending, timeout=self.kv_config.timeout_s)
+        return await self.runtime.acall(self.bridge.read(names, prefix_only=True), [], "read")
 
     # ------------------------------------------------------------ housekeeping
     def pin(self, key: CacheEngineKey) -> bool:

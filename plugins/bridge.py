@@ -1,0 +1,122 @@
+"""What both in-process LMCache plugins do with chunks, written once.
+
+Owns: `InProcessBridge`: object names from LMCache's keys, prefix lookups that remember
+where a prompt's stored prefix ends (so the store that follows knows its parent),
+background writes that hold their own reference to each MemoryObj until the write ends,
+and reads into MemoryObjs from LMCache's allocator.  The storage plugin and the remote
+connector only translate their interface's calls into these.  Must not touch: the
+runtime's loop and deadlines (`plugins.runtime`), storage logic (the store).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
+
+from plugins.chunk_io import read_chunks, write_chunks
+from plugins.keymap import object_name
+from plugins.runtime import StoreRuntime
+
+if TYPE_CHECKING:
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryObj
+
+
+class InProcessBridge:
+    """One plugin's view of the store.
+
+    ``count_inflight``: chunks this process is still writing count as held by a lookup
+    (the storage plugin, whose reads wait for those writes); the remote connector's
+    reads do not wait, so for it they do not count.
+    """
+
+    def __init__(self, runtime: StoreRuntime, allocator: Any, *, count_inflight: bool) -> None:
+        self.runtime = runtime
+        self.allocator = allocator
+        self.count_inflight = count_inflight
+        self.namespace = runtime.cfg.namespace
+
+    def names(self, keys: Sequence[CacheEngineKey]) -> list[str]:
+        return [object_name(k, self.namespace) for k in keys]
+
+    # ----------------------------------------------------------------- lookups
+    def _inflight_prefix(self, names: list[str]) -> int:
+        n = 0
+        if self.count_inflight:
+            while n < len(names) and self.runtime.inflight(names[n]) is not None:
+                n += 1  # being written by this process: visible to its own readers
+        return n
+
+    def lookup(self, keys: Sequence[CacheEngineKey]) -> int:
+        """How many leading chunks are held (blocking, within the deadline)."""
+        names = self.names(keys)
+        n = self._inflight_prefix(names)
+        if n < len(names):
+            n += self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        self.runtime.note_lookup(names, n)
+        return n
+
+    async def alookup(self, keys: Sequence[CacheEngineKey]) -> int:
+        """`lookup` for a caller on LMCache's event loop."""
+        names = self.names(keys)
+        n = self._inflight_prefix(names)
+        if n < len(names):
+            n += await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        self.runtime.note_lookup(names, n)
+        return n
+
+    # ------------------------------------------------------------------ writes
+    def write(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: Sequence[MemoryObj],
+        on_done: Callable[[int], None] | None = None,
+    ) -> concurrent.futures.Future | None:
+        """Start writing consecutive chunks of one prompt without waiting for it.
+
+        A reference to each MemoryObj is taken before the write can start and given back
+        when its write ends (or at once, for chunks not written: already being written,
+        or over ``max_pending``); `on_done(i)` follows each write's release.  Returns the
+        write's future, None when nothing was started.
+        """
+        names = self.names(keys)
+        items = [(n, o, o.get_size()) for n, o in zip(names, objs)]
+        for o in objs:
+            o.ref_count_up()
+        first_parent = self.runtime.parent_of(names[0]) if names else None
+
+        def make_coro(chosen: list[int]) -> Coroutine[Any, Any, list[bool]]:
+            parent = names[chosen[0] - 1] if chosen[0] else first_parent
+            return write_chunks(
+                self.runtime.store, [names[i] for i in chosen], [objs[i] for i in chosen], parent=parent
+            )
+
+        def release(i: int) -> None:
+            objs[i].ref_count_down()
+            if on_done is not None:
+                on_done(i)
+
+        fut, chosen = self.runtime.start_put(items, make_coro, release)
+        for i in set(range(len(objs))) - set(chosen):
+            objs[i].ref_count_down()
+        return fut
+
+    def wait_written(self, names: Sequence[str], timeout: float) -> None:
+        """Block until this process's writes of `names` have ended (at most `timeout`)."""
+        pending = {f for f in (self.runtime.inflight(n) for n in names) if f is not None}
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout)
+
+    # ------------------------------------------------------------------- reads
+    def read(
+        self, names: Sequence[str], *, prefix_only: bool = False
+    ) -> Coroutine[Any, Any, list[MemoryObj | None]]:
+        """The read coroutine (run it through the runtime's deadline): MemoryObjs with ref
+        count 1 owned by the caller, None for misses (or only the hit prefix)."""
+        return read_chunks(
+            self.runtime.store, names, self.allocator, self.runtime.counters, prefix_only=prefix_only
+        )
+
+
+__all__ = ["InProcessBridge"]
