@@ -305,6 +305,20 @@ class TieredStore:
         breaker.record(True)
         return result
 
+    async def warm_up(self, timeout: float = 10.0) -> None:
+        """Touch every tier once (connections, clients, lazy indexes, worker threads)
+        outside any serving deadline, so a first request does not pay for it and trip a
+        breaker.  A tier that cannot answer is logged, not raised: it fails fast later."""
+
+        async def touch(tier: Tier) -> None:
+            try:
+                await asyncio.wait_for(tier.backend.check(), timeout)
+                await asyncio.wait_for(tier.contains_many(["kvstore/warm-up/probe"]), timeout)
+            except Exception as exc:
+                log.warning("kvstore: %s did not answer at start: %s", tier.name, exc)
+
+        await asyncio.gather(*(touch(t) for t in self.tiers))
+
     def tier_available(self, j: int) -> bool:
         """Is tier `j`'s breaker closed (calls go through)?"""
         return self.breakers[j].state is BreakerState.CLOSED

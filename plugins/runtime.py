@@ -94,7 +94,9 @@ class StoreRuntime:
         self.loop.run_forever()
 
     async def _open(self):
-        return self.cfg.build()
+        store = self.cfg.build()
+        await store.warm_up()
+        return store
 
     # ------------------------------------------------------------- calling in
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:

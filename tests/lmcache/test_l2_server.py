@@ -82,7 +82,7 @@ def test_store_retrieve_partial_hits_and_restart(disk_server: MPServer, tmp_path
         hit, got = c.retrieve(toks)
         assert hit == 4 * CHUNK, "a restarted server finds what the killed one stored"
         assert bytes_equal(got, kv[:, :, :hit])
-    files = [p for p in (tmp_path / "disk").rglob("*") if p.is_file()]
+    files = [p for p in (tmp_path / "disk" / "objects").rglob("*") if p.is_file()]
     assert len(files) >= 4
 
 
@@ -221,7 +221,7 @@ def test_lmcache_l2_eviction_works_over_the_adapter(tmp_path: Path) -> None:
             deadline = time.monotonic() + 60
 
             def files() -> int:
-                return sum(1 for p in disk.rglob("*") if p.is_file() and "quarantine" not in p.parts)
+                return sum(1 for p in (disk / "objects").rglob("*") if p.is_file())
 
             while files() < 8 and time.monotonic() < deadline and not c.wait_stored(timeout=1):
                 pass

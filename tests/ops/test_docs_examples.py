@@ -147,6 +147,9 @@ def test_server_example_passes_lmcache_conformance_check(n: int, tmp_path: Path,
                 s3.create_bucket(urlsplit(url).netloc)
         env.update(s3.env())
     spec["adapter_params"]["tiers"] = [local_url(u, tmp_path, redis, s3) for u in tiers]
+    # the examples' serving deadline (1 s) is about latency, which a loaded test machine
+    # cannot promise; this test checks the configuration and the data path
+    spec["adapter_params"]["timeout_s"] = 30
     proc = subprocess.run(
         [
             sys.executable,
