@@ -1,47 +1,58 @@
 """Local-disk warm tier: ``file:///path?capacity=100GiB&fsync=true``.
 
-Owns: the on-disk layout under one root directory, the in-memory index of what is
-there (rebuilt by a scan at open), byte-budget eviction through an `Evictor` (LRU by
-default), crash-safe writes and the quarantine folder.  Must not touch: frame parsing
-(the tier above validates objects and calls `quarantine`), tensors.
+Owns: the on-disk layout under one root directory, crash-safe writes, the quarantine
+folder, and the use of the store's shared index (`kvstore.backends.disk_index`): one
+byte budget and one LRU order for every process that opens the directory.  Must not
+touch: frame parsing (the tier above validates objects and calls `quarantine`), tensors.
 
 Layout::
 
+    ROOT/index.sqlite3                    the shared index (SQLite, WAL); a cache of objects/
     ROOT/objects/<2 hex>/<escaped name>   one file per object, shard = digest of name
-    ROOT/objects/<2 hex>/.<pid>-<n>.tmp   a write in progress; removed at open
+    ROOT/objects/<2 hex>/.<pid>-<n>.tmp   a write in progress; removed at open if its writer is gone
     ROOT/quarantine/                      objects the tier found corrupt, with .reason
 
-* A write goes to a temp file beside its target (preallocated, one ``writev`` of
-  header and payload), is fsync'ed (``fsync=false`` to skip), then renamed over its
-  real name, so a crash never leaves a torn object under a real name, and two
-  concurrent writers of one name each publish a whole object (the last rename wins).
+* A put reserves its bytes in the index first (evicting least recently used objects
+  nobody is writing, across processes), then writes to a temp file beside its target
+  (preallocated, one ``writev`` of header and payload), fsyncs it (``fsync=false`` to
+  skip) and renames it over its real name, so a crash never leaves a torn object under
+  a real name, and two concurrent writers of one name each publish a whole object (the
+  last rename wins).  On-disk bytes exceed ``capacity`` by at most the writes in flight.
   Same-directory temp files with ``fallocate`` measured ~20% faster than a separate
   temp folder (docs/benchmarks/core.md).
 * Reads land in the caller's buffer (`alloc`) with ``preadv``, never a fresh
-  ``bytes``.  A file written by another process after the index was built is still
-  found (a miss in the index falls back to the file system).
-* Blocking calls run in aiofiles' executor: one hop per write; one per read when the
-  index knows the object's size (allocate, then open + ``preadv`` + close), else two.
+  ``bytes``; the file system is asked, never the index, so a file written by another
+  process is always found.  Hits update the shared LRU order in batches (every
+  ``FLUSH_S`` or ``FLUSH_N`` reads, and before this process's next reservation).
+* Opening reads the index's totals; no directory walk on the calling thread.  A store
+  never indexed (an older kvstore) or whose index was lost or corrupt is indexed by one
+  walk in the index thread; temp files of dead writers are swept in a thread of its own.
+* Blocking calls run in aiofiles' executor or the index thread: one hop per write plus
+  one index transaction; one hop per read when this process knows the object's size
+  (allocate, then open + ``preadv`` + close), else two.
 * ``read_streamed`` (see `kvstore.backends.stream`) reads an object's head, lets the
   reader pick where the rest lands, and hands it each block as it arrives: one hop.
 * ENOSPC, EACCES and files vanishing underneath are counted errors / misses.
 
 File names are the object name percent-escaped (``/`` → ``%2F``, ``.`` → ``%2E``), so
-they are reversible and never start with ``.``; the index is rebuilt from a directory
-scan.  A name whose escaped form is too long for a file name is stored as ``~`` +
-digest with a ``.name`` side file holding the name; a leading ``~`` of a short name is
-escaped, so the two kinds of file name never meet.
+they are reversible and never start with ``.``; the index can be rebuilt from a
+directory walk.  A name whose escaped form is too long for a file name is stored as
+``~`` + digest with a ``.name`` side file holding the name; a leading ``~`` of a short
+name is escaped, so the two kinds of file name never meet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
 import hashlib
 import itertools
 import logging
 import os
+import sqlite3
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
@@ -64,9 +75,10 @@ from kvstore.backends.base import (
     parts_len,
     redact_url,
 )
+from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
 from kvstore.backends.stream import STREAM_BLOCK, StreamSink
 from kvstore.config import option_int, option_size, parse_bool, url_options
-from kvstore.eviction import Evictor, LRUEvictor
+from kvstore.eviction import Evictor
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 
 T = TypeVar("T")
@@ -220,6 +232,32 @@ def _read_streamed(path: Path, sink: StreamSink, max_size: int) -> tuple[int, in
         os.close(fd)
 
 
+def _stale_temp(entry: os.DirEntry[str]) -> bool:
+    """A temp file no live writer will finish: its writer (``.<pid>-<n>.tmp``) is not a
+    running process here, or it is older than a write lease.  Other processes' writes in
+    flight are left alone."""
+    try:
+        pid = int(entry.name[1:].split("-", 1)[0])
+    except ValueError:
+        pid = 0
+    if pid and pid != os.getpid():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+    try:
+        return time.time() - entry.stat().st_mtime > LEASE_S
+    except OSError:
+        return False
+
+
+MAX_SIZE_CACHE = 1 << 18  # object sizes this process remembers (reads allocate, then read: one hop)
+FLUSH_S = 0.05  # batched index updates from reads wait at most this long...
+FLUSH_N = 256  # ...or until this many have gathered
+
+
 class DiskBackend(Backend):
     schemes = ("file",)
 
@@ -246,14 +284,35 @@ class DiskBackend(Backend):
             d.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
         self.fsync = fsync
-        self.evictor: Evictor = evictor or LRUEvictor()
-        self._sizes: dict[str, int] = {}
-        self._used = 0
-        self._pending = 0  # bytes of writes in progress, reserved against the budget
+        self.evictor = evictor  # None: the shared LRU order in the index
+        self._sizes: dict[str, int] = {}  # sizes this process has seen (a cache, not the truth)
         self._reading: dict[str, int] = {}
         self._sem = asyncio.Semaphore(concurrency)
         self._write_done = asyncio.Condition()
-        self._scan()
+        self._touches: dict[str, float] = {}
+        self._published: list[tuple[str, int, str]] = []
+        self._adopt: set[str] = set()
+        self._missing: set[str] = set()
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._flushing: set[asyncio.Future[None]] = set()
+        self._closed = False
+        self.index = DiskIndex(
+            self.root / INDEX_FILE, self._walk, self._unlink_object, self._file_size, evictor=evictor
+        )
+        self.index.connect()  # opens the database and reads its totals: no directory walk
+        self._opened = self.index.submit(self.index.open, capacity)  # a walk only if never indexed
+        self._swept = concurrent.futures.Future[None]()
+        threading.Thread(target=self._sweep, name="kvstore-disk-sweep", daemon=True).start()
+
+    async def ready(self) -> None:
+        """Wait until the index is built (a walk, for a store never indexed) and leftover
+        temp files of dead writers are removed; every operation waits for the first part."""
+        await asyncio.wrap_future(self._opened)
+        await asyncio.wrap_future(self._swept)
+
+    async def _open(self) -> None:
+        if not self._opened.done():
+            await asyncio.wrap_future(self._opened)
 
     @classmethod
     def open_existing(cls, url: str) -> DiskBackend:
@@ -284,11 +343,12 @@ class DiskBackend(Backend):
             max_object=opts.get(MAX_OBJECT_OPTION),
         )
 
-    # ---- index --------------------------------------------------------------
+    # ---- the files ------------------------------------------------------------
     def _entries(
         self, *, clean: bool = False, problems: list[tuple[str, str]] | None = None
     ) -> list[tuple[str, os.stat_result]]:
-        """(name, stat) of every stored object; with `clean`, remove unfinished writes.
+        """(name, stat) of every stored object; with `clean`, remove unfinished writes of
+        writers that are gone.
 
         What cannot be an object (a directory or other non-file where an object's file
         would be, an unreadable side file) is left out and described in `problems`.
@@ -309,7 +369,7 @@ class DiskBackend(Backend):
                 continue
             for entry in entries:
                 if entry.name.startswith("."):  # a write in progress, or one a crash cut short
-                    if clean:
+                    if clean and _stale_temp(entry):
                         try:
                             os.unlink(entry.path)
                         except OSError:
@@ -341,10 +401,51 @@ class DiskBackend(Backend):
                 out.append((name, st))
         return out
 
-    def _scan(self) -> None:
-        found = self._entries(clean=True)
-        for name, st in sorted(found, key=lambda e: e[1].st_mtime):  # oldest first: LRU survives restarts
-            self._index_add(name, st.st_size)
+    def _walk(self) -> list[tuple[str, int, float]]:
+        """For the index: every object as (name, size, mtime), unfinished writes removed."""
+        return [(name, st.st_size, st.st_mtime) for name, st in self._entries(clean=True)]
+
+    def _sweep(self) -> None:
+        """In a thread of its own at open: remove temp files that dead writers left."""
+        try:
+            for shard in os.scandir(self.objects_dir):
+                if not shard.is_dir():
+                    continue
+                for entry in os.scandir(shard.path):
+                    if entry.name.startswith(".") and _stale_temp(entry):
+                        try:
+                            os.unlink(entry.path)
+                        except OSError:
+                            pass
+        except OSError:
+            pass
+        finally:
+            self._swept.set_result(None)
+
+    def _unlink_object(self, name: str) -> bool:
+        """For the index (eviction): True if `name`'s file is gone now, False if it cannot be removed."""
+        path = self.path_of(name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.error("kvstore disk: could not remove %s: %s", printable_name(name), exc)
+            self.counters.delete_errors += 1
+            return False
+        if path.name.startswith("~"):
+            try:
+                os.unlink(f"{path}.name")
+            except OSError:
+                pass
+        return True
+
+    def _file_size(self, name: str) -> int | None:
+        try:
+            st = os.stat(self.path_of(name))
+        except OSError:
+            return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     @staticmethod
     def _rename_legacy(entry: os.DirEntry[str], name: str) -> str | None:
@@ -370,23 +471,68 @@ class DiskBackend(Backend):
                 return None
         return unquote(entry.name)
 
-    def _index_add(self, name: str, size: int) -> None:
-        old = self._sizes.get(name)
-        if old is not None:
-            self._used -= old
+    def _remember(self, name: str, size: int) -> None:
+        if name not in self._sizes and len(self._sizes) >= MAX_SIZE_CACHE:
+            for old in list(itertools.islice(self._sizes, MAX_SIZE_CACHE // 2)):
+                del self._sizes[old]
         self._sizes[name] = size
-        self._used += size
-        self.evictor.insert(name, size)
-
-    def _index_drop(self, name: str) -> int | None:
-        size = self._sizes.pop(name, None)
-        if size is not None:
-            self._used -= size
-            self.evictor.remove(name)
-        return size
 
     def path_of(self, name: str) -> Path:
         return self.objects_dir / shard_of(name) / encode_filename(name)
+
+    # ---- batched index updates ------------------------------------------------
+    async def _index_call(self, fn: Callable[..., object], *args: object) -> None:
+        """Bookkeeping that may fail without failing the operation (the files are the truth)."""
+        try:
+            await self.index.run(fn, *args)
+        except (sqlite3.Error, OSError) as exc:
+            log.warning("kvstore disk: index %s update failed: %s", self.index.path, exc)
+
+    def _later(self) -> None:
+        """Flush what reads found soon: after FLUSH_S, or now if FLUSH_N have gathered."""
+        n = len(self._touches) + len(self._published) + len(self._adopt) + len(self._missing)
+        if n >= FLUSH_N:
+            self._flush_now()
+        elif self._flush_handle is None and not self._closed:
+            self._flush_handle = asyncio.get_running_loop().call_later(FLUSH_S, self._flush_now)
+
+    def _take(self) -> tuple[dict[str, float], list[tuple[str, int, str]]]:
+        touches, published = self._touches, self._published
+        self._touches, self._published = {}, []
+        return touches, published
+
+    def _flush_now(self) -> asyncio.Future[None] | None:
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        touches, published = self._take()
+        adopt, missing = self._adopt, self._missing
+        self._adopt, self._missing = set(), set()
+        if not (touches or published or adopt or missing):
+            return None
+        fut = asyncio.wrap_future(self.index.submit(self.index.flush, touches, published, adopt, missing))
+        self._flushing.add(fut)
+        fut.add_done_callback(self._flushed)
+        return fut
+
+    def _flushed(self, fut: asyncio.Future[None]) -> None:
+        self._flushing.discard(fut)
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("kvstore disk: index update failed: %s", fut.exception())
+
+    async def flush(self) -> None:
+        """Write what this process's reads found into the shared index now."""
+        await self._open()
+        self._flush_now()
+        if self._flushing:
+            await asyncio.gather(*self._flushing, return_exceptions=True)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        await self.flush()
+        self._closed = True
+        await asyncio.to_thread(self.index.close)
 
     # ---- put ----------------------------------------------------------------
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
@@ -404,11 +550,18 @@ class DiskBackend(Backend):
         if (self.capacity is not None and size > self.capacity) or self.too_large(name, size):
             self.counters.rejected += 1
             return False
+        await self._open()
         async with self._sem:
-            if not await self._make_room(name, size):
+            writer = f"{os.getpid()}-{next(_ids)}"
+            try:
+                reserved = await self._reserve(name, size, writer)
+            except (sqlite3.Error, OSError) as exc:
+                log.error("kvstore disk: index %s cannot take a write: %s", self.index.path, exc)
+                self.counters.put_errors += 1
+                return False
+            if not reserved:
                 self.counters.rejected += 1
                 return False
-            self._pending += size
             try:
                 await _write_object(self.path_of(name), name, parts, size, self.fsync)
             except OSError as exc:
@@ -420,47 +573,57 @@ class DiskBackend(Backend):
                     name,
                     exc,
                 )
+                await self._index_call(self.index.unreserve, name, writer)
                 return False
             finally:
-                self._pending -= size
                 async with self._write_done:
                     self._write_done.notify_all()
-        self._index_add(name, size)
+        self._published.append((name, size, writer))  # the row already counts it: publishing can wait
+        self._later()
+        self._remember(name, size)
         self.counters.puts += 1
         self.counters.put_bytes += size
         return True
 
-    async def _make_room(self, name: str, size: int) -> bool:
-        """Evict until `size` more bytes fit; False if they cannot (the budget is never exceeded)."""
-        if self.capacity is None:
-            return True
-        while self._used + self._pending - self._sizes.get(name, 0) + size > self.capacity:
-            victim = self.evictor.victim(protected={name, *self._reading})
-            if victim is None:
-                if not self._pending:
-                    return False
-                async with self._write_done:  # writes in flight become evictable when done
-                    await self._write_done.wait()
-                continue
-            if not await self._remove(victim) and victim in self._sizes:
-                return False  # cannot delete (read-only file system): nothing fits
-            self.counters.evictions += 1
-        return True
+    async def _reserve(self, name: str, size: int, writer: str) -> bool:
+        """Reserve `size` bytes for `name` in the shared index, evicting the least recently
+        used objects nobody is writing; False if they cannot fit (the budget is kept)."""
+        deadline = time.monotonic() + LEASE_S
+        while True:
+            touches, published = self._take()
+            status, evicted = await self.index.run(
+                self.index.reserve,
+                name,
+                size,
+                writer,
+                frozenset(self._reading),
+                self.capacity,
+                touches,
+                published,
+            )
+            self.counters.evictions += evicted
+            if status == OK:
+                return True
+            if status == FULL or time.monotonic() > deadline:
+                return False
+            async with self._write_done:  # a write here or elsewhere finishes, then ask again
+                try:
+                    await asyncio.wait_for(self._write_done.wait(), 0.02)
+                except asyncio.TimeoutError:
+                    pass
 
-    async def _remove(self, name: str) -> bool:
-        """True if the object existed and is gone now.  False if it was not there, or if
+    async def _remove(self, name: str) -> bool | None:
+        """True if the object existed and is gone now; False if it was not there; None if
         it could not be removed (counted in ``delete_errors``; it stays indexed)."""
         path = self.path_of(name)
         try:
             await aiofiles.os.remove(path)
         except FileNotFoundError:  # gone already (another process deleted it)
-            self._index_drop(name)
             return False
         except OSError as exc:
             log.error("kvstore disk: could not remove %s: %s", printable_name(name), exc)
             self.counters.delete_errors += 1
-            return False
-        self._index_drop(name)
+            return None
         if path.name.startswith("~"):
             try:
                 await aiofiles.os.remove(f"{path}.name")
@@ -513,12 +676,18 @@ class DiskBackend(Backend):
         except InvalidKeyError:
             self.counters.misses += 1
             return None
+        await self._open()
         self._reading[name] = self._reading.get(name, 0) + 1
         try:
             async with self._sem:
                 size, got, result = await read()
         except FileNotFoundError:
-            self._index_drop(name)
+            if self._sizes.pop(name, None) is not None:  # it was here: its row goes now
+                touches, published = self._take()
+                await self._index_call(self.index.flush, touches, published, set(), {name})
+            else:  # maybe a row without a file: checked with the next batch
+                self._missing.add(name)
+                self._later()
             self.counters.misses += 1
             return None
         except _Defective as exc:
@@ -537,9 +706,9 @@ class DiskBackend(Backend):
                 self._reading[name] = left
             else:
                 del self._reading[name]
-        if name not in self._sizes:
-            self._index_add(name, size)  # written by another process since our scan
-        self.evictor.touch(name)
+        self._remember(name, size)
+        self._touches[name] = time.time()  # batched: the shared LRU order learns it soon
+        self._later()
         self.counters.hits += 1
         self.counters.get_bytes += got
         return result
@@ -570,33 +739,48 @@ class DiskBackend(Backend):
 
     # ---- the rest -----------------------------------------------------------
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
-        out = []
+        """Asks the file system (the truth), one hop for the batch; files the index does not
+        know are adopted with the next batch."""
+        valid = []
         for name in names:
-            if name in self._sizes:
-                out.append(True)
-                continue
             try:
                 check_object_name(name)
-                st = await aiofiles.os.stat(self.path_of(name))
-            except (InvalidKeyError, OSError):
+                valid.append(name)
+            except InvalidKeyError:
+                pass
+        await self._open()
+        sizes = dict(zip(valid, await asyncio.to_thread(lambda: [self._file_size(n) for n in valid])))
+        out = []
+        for name in names:
+            size = sizes.get(name)
+            if size is None:
                 out.append(False)
                 continue
-            if not stat.S_ISREG(st.st_mode):
-                out.append(False)
-                continue
-            self._index_add(name, st.st_size)
+            if name not in self._sizes:
+                self._adopt.add(name)
+                self._remember(name, size)
             out.append(True)
+        if self._adopt:
+            self._later()
         return out
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
+        await self._open()
         out = []
+        gone = []
         for name in names:
             try:
                 check_object_name(name)
             except InvalidKeyError:
                 out.append(False)
                 continue
-            out.append(await self._remove(name))
+            removed = await self._remove(name)
+            out.append(bool(removed))
+            if removed is not None:
+                gone.append(name)
+                self._sizes.pop(name, None)
+        if gone:
+            await self._index_call(self.index.drop, gone)
         self.counters.deletes += sum(out)
         return out
 
@@ -610,7 +794,8 @@ class DiskBackend(Backend):
                 yield ObjectInfo(name, st.st_size, st.st_mtime)
 
     async def quarantine(self, name: str, reason: str) -> None:
-        self._index_drop(name)
+        await self._open()
+        self._sizes.pop(name, None)
         src = self.path_of(name)
         dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{src.name}"
         try:
@@ -618,18 +803,27 @@ class DiskBackend(Backend):
             await aiofiles.os.replace(src, dst)
             await asyncio.to_thread(Path(f"{dst}.reason").write_text, f"{name}\n{reason}\n", "utf-8")
         except FileNotFoundError:
+            await self._index_call(self.index.drop, [name])
             return
         except OSError as exc:
             log.warning("kvstore disk: could not quarantine %s: %s", printable_name(name), exc)
             return
+        await self._index_call(self.index.drop, [name])
         self.counters.quarantined += 1
 
     def stats(self) -> BackendStats:
+        """Objects and bytes are the whole store's (every process's), as of this process's
+        last index transaction."""
         return BackendStats(
             url=redact_url(self.url),
-            objects=len(self._sizes),
-            bytes=self._used,
+            objects=self.index.objects,
+            bytes=self.index.bytes,
             capacity_bytes=self.capacity,
             counters=self.counters,
-            extra={"root": str(self.root), "fsync": self.fsync},
+            extra={
+                "root": str(self.root),
+                "fsync": self.fsync,
+                "index": str(self.index.path),
+                "indexing": not self._opened.done(),
+            },
         )

@@ -104,7 +104,8 @@ async def test_interrupted_write_is_invisible_and_cleaned(tmp_path: Path) -> Non
     torn.write_bytes(b"half a frame")
     assert [i.name async for i in be.list()] == ["ns/whole"]
     assert await be.contains_many(["ns/torn"]) == [False]
-    reopened = DiskBackend(tmp_path)  # the next open cleans up
+    reopened = DiskBackend(tmp_path)  # the next open cleans up, in a thread of its own
+    await reopened.ready()
     assert not torn.exists()
     assert reopened.stats().objects == 1
 
@@ -226,6 +227,7 @@ async def test_disk_full_is_a_counted_error(tmp_path: Path) -> None:
         assert await be.contains_many(["a/big"]) == [False]
         assert list(root.rglob(".*")) == []  # the partial temp file is gone
         assert bytes(await be.get("a/small")) == b"s" * 1000
+        await be.close()  # the index's files are open until then
     finally:
         subprocess.run(["umount", str(root)], check=False)
 

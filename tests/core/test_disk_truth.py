@@ -74,13 +74,15 @@ def _ro_bind(src: Path, dst: Path) -> bool:
 
 async def test_delete_on_a_real_read_only_mount(tmp_path: Path) -> None:
     src, ro = tmp_path / "src", tmp_path / "ro"
-    assert await DiskBackend(src).put("ns/a", b"a")
+    async with DiskBackend(src) as writer:
+        assert await writer.put("ns/a", b"a")
     if not _ro_bind(src, ro):
         pytest.skip("needs root and mount to make a read-only bind mount")
     try:
         be = DiskBackend(ro)
         assert await be.delete_many(["ns/a"]) == [False]
         assert be.path_of("ns/a").exists() and await be.contains_many(["ns/a"]) == [True]
+        await be.close()  # the index's files are open until then
     finally:
         subprocess.run(["umount", str(ro)], check=True)
 

@@ -1,0 +1,250 @@
+"""The disk tier's shared index, on the real file system with real processes: one byte
+budget and one LRU order for every process opening a store, eviction at open, an index
+lost or corrupt rebuilt with nothing lost, and no directory walk on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore.backends.disk import DiskBackend
+from kvstore.backends.disk_index import INDEX_FILE
+
+MiB = 1 << 20
+
+
+def on_disk(root: Path) -> int:
+    """Bytes of every file under objects/, temp files of writes in flight included."""
+    total = 0
+    for dirpath, _, files in os.walk(root / "objects"):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+async def run_python(code: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+WRITER = """
+import asyncio, sys
+from kvstore.backends.disk import DiskBackend
+async def main():
+    be = DiskBackend(sys.argv[1], capacity=4 << 20, fsync=False, concurrency=4)
+    tag = sys.argv[2]
+    ok = 0
+    for batch in range(12):
+        got = await be.put_many([(f"{tag}/o{batch}-{i}", bytes([i]) * (64 << 10)) for i in range(8)])
+        ok += sum(got)
+    await be.close()
+    print(ok)
+asyncio.run(main())
+"""
+
+
+async def test_two_processes_keep_one_byte_budget(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    DiskBackend(root)  # create it (and its index) once
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", WRITER, str(root), tag, stdout=asyncio.subprocess.PIPE
+        )
+        for tag in ("a", "b")
+    ]
+    peak = 0
+    done = asyncio.gather(*(p.communicate() for p in procs))
+    while not done.done():
+        peak = max(peak, on_disk(root))
+        await asyncio.sleep(0.002)
+    outs = await done
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(int(o[0]) for o in outs) == 2 * 12 * 8  # every put fit (after evicting)
+    in_flight = 2 * 4 * (64 << 10)  # two processes, four writes each
+    assert peak <= 4 * MiB + in_flight, peak
+    assert on_disk(root) <= 4 * MiB
+    again = DiskBackend(root, capacity=4 * MiB)
+    await again.ready()
+    assert again.stats().bytes == on_disk(root) <= 4 * MiB
+    assert again.stats().objects == 4 * MiB // (64 << 10)
+    await again.close()
+
+
+async def test_reopening_over_budget_evicts_down_to_it_oldest_first(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, fsync=False)
+    for i in range(10):
+        assert await be.put(f"ns/k{i}", b"x" * 1000)
+    await be.close()
+    small = DiskBackend(tmp_path, capacity=5000)
+    await small.ready()
+    assert on_disk(tmp_path) <= 5000
+    assert small.stats().bytes <= 5000 and small.stats().objects == 5
+    assert await small.contains_many([f"ns/k{i}" for i in range(10)]) == [False] * 5 + [True] * 5
+    assert small.counters.evictions == 0  # counted by the index at open, not by a put
+    await small.close()
+
+
+READ_ONE = """
+import asyncio, sys
+from kvstore.backends.disk import DiskBackend
+async def main():
+    be = DiskBackend(sys.argv[1])
+    print(bytes(await be.get(sys.argv[2])).decode())
+    await be.close()
+asyncio.run(main())
+"""
+
+
+async def test_lru_order_is_shared_across_processes(tmp_path: Path) -> None:
+    a = DiskBackend(tmp_path, capacity=4000, fsync=False)
+    for i in range(4):
+        assert await a.put(f"ns/k{i}", str(i).encode() * 1000)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", READ_ONE, str(tmp_path), "ns/k0", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    assert out.decode().startswith("0000")  # process B read k0: it is now the most recent
+    assert await a.put("ns/k4", b"4" * 1000)
+    assert await a.contains_many([f"ns/k{i}" for i in range(5)]) == [True, False, True, True, True]
+    assert await a.put("ns/k5", b"5" * 1000)
+    assert await a.contains_many([f"ns/k{i}" for i in range(6)]) == [True, False, False, True, True, True]
+    await a.close()
+
+
+async def test_a_read_in_flight_elsewhere_does_not_lose_its_bytes(tmp_path: Path) -> None:
+    """POSIX: a file opened before another process evicts it is still read whole."""
+    a = DiskBackend(tmp_path, capacity=2000, fsync=False)
+    b = DiskBackend(tmp_path, capacity=2000, fsync=False)
+    assert await a.put("ns/old", b"o" * 1000) and await a.put("ns/mid", b"m" * 1000)
+    fd = os.open(b.path_of("ns/old"), os.O_RDONLY)
+    try:
+        assert await a.put("ns/new", b"n" * 1000)  # evicts ns/old underneath b's open file
+        assert not b.path_of("ns/old").exists()
+        assert os.pread(fd, 2000, 0) == b"o" * 1000
+    finally:
+        os.close(fd)
+    await a.close()
+    await b.close()
+
+
+@pytest.mark.parametrize("damage", ["deleted", "corrupt", "truncated", "never"])
+async def test_lost_or_corrupt_index_is_rebuilt_at_open_with_nothing_lost(
+    tmp_path: Path, damage: str
+) -> None:
+    be = DiskBackend(tmp_path, fsync=False)
+    keys = [f"ns/k{i}" for i in range(50)] + ["~tilde/x", "long/" + "y" * 300]
+    assert all(await be.put_many([(k, k.encode()) for k in keys]))
+    await be.close()
+    index = tmp_path / INDEX_FILE
+    if damage in ("deleted", "never"):  # "never": a store an older kvstore wrote
+        for f in tmp_path.glob(INDEX_FILE + "*"):
+            f.unlink()
+    elif damage == "corrupt":
+        index.write_bytes(b"this is not a database" * 100)
+    else:
+        data = index.read_bytes()
+        index.write_bytes(data[:100])
+    again = DiskBackend(tmp_path, capacity=1 << 30)
+    await again.ready()
+    assert again.index.rebuilt == 1
+    assert again.stats().objects == len(keys)
+    assert again.stats().bytes == sum(len(k.encode()) for k in keys)
+    assert [bytes(v) for v in await again.get_many(keys)] == [k.encode() for k in keys]
+    if damage in ("corrupt", "truncated"):
+        assert list(tmp_path.glob(INDEX_FILE + ".corrupt-*"))  # kept for a look, out of the way
+    await again.close()
+    third = DiskBackend(tmp_path)  # indexed now: no second walk
+    await third.ready()
+    assert third.index.rebuilt == 0 and third.stats().objects == len(keys)
+    await third.close()
+
+
+async def test_opening_an_indexed_store_walks_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be = DiskBackend(tmp_path, fsync=False)
+    assert all(await be.put_many([(f"ns/k{i}", b"x") for i in range(200)]))
+    await be.close()
+
+    def no_walk(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an indexed store was walked at open")
+
+    monkeypatch.setattr(DiskBackend, "_entries", no_walk)
+    again = DiskBackend(tmp_path)
+    assert again.stats().objects == 200  # known from the index's totals as soon as it is constructed
+    await again.ready()
+    assert len(await again.get_many([f"ns/k{i}" for i in range(200)])) == 200
+    await again.close()
+
+
+async def test_a_store_never_indexed_is_walked_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    be = DiskBackend(tmp_path, fsync=False)
+    assert all(await be.put_many([(f"ns/k{i}", b"x" * 10) for i in range(100)]))
+    await be.close()
+    for f in tmp_path.glob(INDEX_FILE + "*"):
+        f.unlink()
+    walked_in: list[str] = []
+    real = DiskBackend._entries
+
+    def spy(self: DiskBackend, **kwargs: object) -> object:
+        walked_in.append(threading.current_thread().name)
+        return real(self, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DiskBackend, "_entries", spy)
+    t0 = time.monotonic()
+    again = DiskBackend(tmp_path)
+    assert time.monotonic() - t0 < 5
+    got = await again.get_many(["ns/k0", "ns/k99"])  # waits for the index, not for the loop
+    assert [bytes(g) for g in got if g is not None] == [b"x" * 10] * 2
+    assert walked_in and all(n.startswith("kvstore-disk-index") for n in walked_in)
+    assert again.stats().objects == 100
+    await again.close()
+
+
+async def test_row_without_file_is_dropped_and_file_without_row_adopted(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, fsync=False)
+    assert await be.put("ns/gone", b"g" * 10) and await be.put("ns/kept", b"k" * 20)
+    await be.close()
+    other = DiskBackend(tmp_path)
+    other.path_of("ns/gone").unlink()  # removed behind the index's back
+    db = sqlite3.connect(tmp_path / INDEX_FILE)
+    with db:
+        db.execute("DELETE FROM objects WHERE name = 'ns/kept'")
+    db.close()
+    assert await other.get("ns/gone") is None
+    assert bytes(await other.get("ns/kept")) == b"k" * 20
+    await other.flush()
+    assert other.stats().objects == 1 and other.stats().bytes == 20
+    await other.close()
+
+
+async def test_a_put_waits_for_another_process_write_in_flight_rather_than_overshoot(tmp_path: Path) -> None:
+    a = DiskBackend(tmp_path, capacity=2000, fsync=False)
+    b = DiskBackend(tmp_path, capacity=2000, fsync=False)
+    # b reserves 2000 bytes as if writing them (its row is leased), then a asks for room
+    status, _ = await b.index.run(b.index.reserve, "ns/big", 2000, "other-1", frozenset(), 2000, {}, [])
+    assert status == "ok"
+    put = asyncio.ensure_future(a.put("ns/small", b"s" * 100))
+    await asyncio.sleep(0.2)
+    assert not put.done()  # nothing a can evict: the only row is being written
+    await b.index.run(b.index.reserve, None, 0, "", frozenset(), 2000, {}, [("ns/big", 2000, "other-1")])
+    assert await asyncio.wait_for(put, 10)  # published: evictable now
+    assert a.stats().bytes == 100
+    await a.close()
+    await b.close()
