@@ -221,32 +221,47 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._store_efd.notify()
 
     async def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> tuple[bool, int]:
-        """Write consecutive chunk runs, each with its parent when a lookup told it."""
+        """Write the batch: chunks a lookup placed in a prompt go as chained runs with their
+        parent; chunks with no known parent go together, unchained.  All concurrently."""
         names = self._names(keys)
-        items = [(i, n) for i, n in enumerate(names) if n is not None]
-        all_ok = len(items) == len(names)
-        parents = {n: self.runtime.parent_of(n) for _, n in items}
-        runs: list[list[int]] = []
-        for k, (i, name) in enumerate(items):
-            if runs and k and parents[name] == items[k - 1][1]:
+        idx = [i for i, n in enumerate(names) if n is not None]
+        payloads = {i: payload_of(objects[i]) for i in idx}
+        parents = {i: self.runtime.parent_of(names[i]) for i in idx}  # type: ignore[arg-type]
+        runs: list[list[int]] = []  # consecutive chunks of one prompt, one layout
+        loose: dict[str, list[int]] = {}  # no known parent, by layout
+        for k, i in enumerate(idx):
+            prev = idx[k - 1] if k else None
+            if (
+                prev is not None
+                and runs
+                and runs[-1][-1] == prev
+                and parents[i] == names[prev]
+                and payloads[i][1] == payloads[prev][1]
+            ):
                 runs[-1].append(i)
-            else:
+            elif parents[i] is not None or (
+                k + 1 < len(idx) and parents[idx[k + 1]] == names[i]
+            ):
                 runs.append([i])
+            else:
+                loose.setdefault(payloads[i][1], []).append(i)
+
+        async def put(group: list[int], chained: bool) -> list[bool]:
+            return await self.runtime.store.put_many(
+                [(names[i], payloads[i][0]) for i in group],  # type: ignore[misc]
+                chained=chained,
+                parent=parents[group[0]] if chained else None,
+                layout=payloads[group[0]][1],
+            )
+
+        groups = [(r, True) for r in runs] + [(g, False) for g in loose.values()]
+        results = await asyncio.gather(*(put(g, c) for g, c in groups))
+        all_ok = len(idx) == len(names)
         new_keys: list[ObjectKey] = []
         new_sizes: list[int] = []
         nbytes = 0
-        for run in runs:
-            first = names[run[0]]
-            assert first is not None
-            payloads = [payload_of(objects[i]) for i in run]
-            layouts = {layout for _, layout in payloads}
-            res = await self.runtime.store.put_many(
-                [(names[i], t) for i, (t, _) in zip(run, payloads)],  # type: ignore[misc]
-                chained=len(run) > 1 or parents[first] is not None,
-                parent=parents[first],
-                layout=layouts.pop() if len(layouts) == 1 else payloads[0][1],
-            )
-            for i, ok in zip(run, res):
+        for (group, _), res in zip(groups, results):
+            for i, ok in zip(group, res):
                 stored = names[i]
                 assert stored is not None
                 if not ok:
