@@ -8,11 +8,7 @@ test_l2_server.py.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
+from tests.support.lmcache_check import assert_l2_conformance  # noqa: E402
 from tests.support.required import require_module  # noqa: E402
 
 require_module("lmcache.v1.distributed.l2_adapters.base")
@@ -193,21 +190,7 @@ def test_lmcache_conformance_check(tmp_path):
         "class_name": "KVStoreL2Adapter",
         "adapter_params": {"tiers": ["mem://bc?capacity=64MiB", f"file://{tmp_path}/disk"]},
     }
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVSTORE_"))}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter", "--l2-adapter", json.dumps(spec)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Test Failed" not in out, out
-    assert "5/5 correctly absent" in out and "5/5 found" in out, out
-    assert "Validation (loaded): 5/5" in out and "Validation (content): 5/5" in out, out
+    assert_l2_conformance(spec, tmp_path)
 
 
 # ---------------------------------------------------------------------- faults
