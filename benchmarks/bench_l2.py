@@ -144,7 +144,7 @@ def main() -> None:
         )
         configs.append(Config("lmcache-fs", "disk", lambda: build_adapter({"type": "fs", "base_path": str(ld)}), fresh(ld)))
     if "redis" in kinds:
-        from tests.support.redis_server import RedisServer
+        from kvstore.testing.redis_server import RedisServer
 
         server = RedisServer(extra=["--maxmemory", "0"]).start()
         cleanup.append(server.close)

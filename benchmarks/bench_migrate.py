@@ -2,11 +2,11 @@
 
     python3 benchmarks/bench_migrate.py [--count 12] [--size-mib 32] [--rounds 3]
 
-Starts its own SeaweedFS on loopback (tests/support/seaweed.py).  Each round, in the
+Starts its own SeaweedFS on loopback (kvstore/testing/seaweed.py).  Each round, in the
 same process and on the same server:
 
 * baseline put: plain aiobotocore ``put_object`` of the same bytes, `concurrency` at a
-  time (kvstore/benchmark/baseline_s3.py, what ``kvstore bench s3://`` uses);
+  time (kvstore/throughput/baseline_s3.py, what ``kvstore bench s3://`` uses);
 * ``kvstore migrate`` disk → S3 (verified on read and after write, journaled);
 * baseline get: plain ``get_object`` into reused buffers;
 * ``kvstore migrate`` S3 → a fresh disk store.
@@ -32,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from kvstore.backends import open_backend  # noqa: E402
-from kvstore.benchmark.baseline_s3 import Baseline  # noqa: E402
 from kvstore.ops.migrate import MigrateOptions, migrate  # noqa: E402
+from kvstore.throughput.baseline_s3 import Baseline  # noqa: E402
 from kvstore.tier import Tier  # noqa: E402
 
 MiB = 1 << 20
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=4)
     args = ap.parse_args()
-    from tests.support.seaweed import SeaweedS3
+    from kvstore.testing.seaweed import SeaweedS3
 
     with SeaweedS3() as server, server.credentials_env():
         server.create_bucket("kvstore-bench")

@@ -4,7 +4,7 @@ All three run in the same process against the same redis-server, one after anoth
 each repetition (order rotated), on the same objects sizes and batch sizes:
 
 * kvstore   `RedisBackend.put_many` / `get_many(alloc=...)` into reused buffers.
-* redis-py  `kvstore.benchmark.baseline_redis.Baseline`: one SET / GET per object, a batch
+* redis-py  `kvstore.throughput.baseline_redis.Baseline`: one SET / GET per object, a batch
             as concurrent coroutines, GET copied into a reused buffer.
 * LMCache   `lmcache.v1.storage_backend.connector.redis_connector.RedisConnector` (the
             connector LMCache 0.5.6 uses for ``redis://`` remote URLs) called directly
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from kvstore.backends import open_backend
-from kvstore.benchmark.baseline_redis import Baseline, plain_client
+from kvstore.throughput.baseline_redis import Baseline, plain_client
 
 MiB = 1 << 20
 
@@ -244,7 +244,7 @@ async def main() -> None:
     with contextlib.ExitStack() as stack:
         url = args.url
         if url is None:
-            from tests.support.redis_server import RedisServer
+            from kvstore.testing.redis_server import RedisServer
 
             url = stack.enter_context(RedisServer()).url
         print(

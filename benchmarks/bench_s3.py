@@ -8,7 +8,7 @@ Measures, with rounds interleaved (backend, baseline, backend, ...) and the best
 kept for each side:
 
 1. put / get MiB/s of 8 and 32 MiB objects: kvstore's S3Backend vs
-   `kvstore.benchmark.baseline_s3.Baseline` (plain put_object / get_object), one object
+   `kvstore.throughput.baseline_s3.Baseline` (plain put_object / get_object), one object
    at a time and a batch in flight;
 2. one large GET as parallel ranged GETs vs a single GET (the same backend with
    ``range_size`` larger than the object);
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvstore.backends.s3 import S3Backend  # noqa: E402
 from kvstore.backends.s3_options import S3Options  # noqa: E402
-from kvstore.benchmark.baseline_s3 import Baseline  # noqa: E402
+from kvstore.throughput.baseline_s3 import Baseline  # noqa: E402
 
 MiB = 1 << 20
 WAN_RATE = 100.0  # MiB/s per connection: about what one S3 connection gives over a WAN
@@ -203,8 +203,8 @@ async def contains_rows(url: str, stored: int, batches: list[int], rounds: int) 
 
 @contextlib.contextmanager
 def wan_link(upstream_port: int, rate_mib: float, latency: float):
-    """A `tests.support.fault_proxy` process capping each connection's bandwidth and adding latency."""
-    cmd = [sys.executable, "-m", "tests.support.fault_proxy", str(upstream_port)]
+    """A `kvstore.testing.fault_proxy` process capping each connection's bandwidth and adding latency."""
+    cmd = [sys.executable, "-m", "kvstore.testing.fault_proxy", str(upstream_port)]
     proc = subprocess.Popen(
         [*cmd, "--rate", str(rate_mib), "--latency", str(latency)],
         stdout=subprocess.PIPE,
@@ -312,7 +312,7 @@ def main() -> None:
             + asyncio.run(bench(args.url, args.rounds, args.quick, None, only))
         )
     else:
-        from tests.support.seaweed import SeaweedS3
+        from kvstore.testing.seaweed import SeaweedS3
 
         with SeaweedS3() as server:
             server.create_bucket("kvstore-bench")

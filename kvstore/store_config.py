@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from kvstore.config import kvstore_home, option_float, option_size, redact_url
+from kvstore.options import kvstore_home, option_float, option_size
 from kvstore.policy import DEFAULT_POLICY, ONLINE_POLICIES
+from kvstore.redact import redact_url
 
 PREFIX = "kvstore."
 ENV_PREFIX = "KVSTORE_"

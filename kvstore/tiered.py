@@ -75,10 +75,10 @@ from kvstore.backends.base import BackendStats
 from kvstore.backends.breaker import BreakerState, CircuitBreaker
 from kvstore.buffers import BufferPool
 from kvstore.codec.base import CodecUnavailableError
-from kvstore.config import parse_size
 from kvstore.frame import FrameError, FrameHeader
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import NO_RULE, NamespaceBook, NamespaceRule, namespace_of
+from kvstore.options import parse_size
 from kvstore.policy import DEFAULT_POLICY, NO_META, ChunkMeta, Move, Placement, TierState, make_policy
 from kvstore.store_metrics import StoreMetrics
 from kvstore.tier import Tier

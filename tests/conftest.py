@@ -12,9 +12,9 @@ import os
 
 import pytest
 
-from tests.support.redis_server import RedisServer, redis_available
+from kvstore.testing.redis_server import RedisServer, redis_available
+from kvstore.testing.seaweed import SeaweedS3, weed_binary
 from tests.support.required import REDIS_INSTALL, SEAWEED_INSTALL, require
-from tests.support.seaweed import SeaweedS3, weed_binary
 
 
 def pytest_configure(config: pytest.Config) -> None:

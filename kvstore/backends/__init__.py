@@ -11,7 +11,7 @@ import importlib
 from urllib.parse import urlsplit
 
 from kvstore.backends.base import Alloc, Backend, BackendStats, ObjectInfo, Value
-from kvstore.config import redact_url
+from kvstore.redact import redact_url
 
 __all__ = ["Alloc", "Backend", "BackendStats", "ObjectInfo", "Value", "open_backend", "register"]
 

@@ -47,8 +47,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Union
 
-from kvstore.config import option_size, redact_url
 from kvstore.keys import printable_name
+from kvstore.options import option_size
+from kvstore.redact import redact_url
 
 log = logging.getLogger(__name__)
 

@@ -77,9 +77,9 @@ from kvstore.backends.base import (
 )
 from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
 from kvstore.backends.stream import STREAM_BLOCK, StreamSink
-from kvstore.config import option_int, option_size, parse_bool, url_options
 from kvstore.eviction import Evictor
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
+from kvstore.options import option_int, option_size, parse_bool, url_options
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from kvstore.backends.base import (
     as_parts,
     redact_url,
 )
-from kvstore.config import option_size, url_options
 from kvstore.eviction import Evictor, LRUEvictor
 from kvstore.keys import InvalidKeyError, check_object_name
+from kvstore.options import option_size, url_options
 
 
 @dataclass

@@ -65,8 +65,8 @@ from kvstore.backends.base import (
 from kvstore.backends.redis_stream import Address, Manifest, RespStreams
 from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.backends.stream import StreamSink, stream_from_buffer
-from kvstore.config import option_float, option_int, option_size
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
+from kvstore.options import option_float, option_int, option_size
 
 log = logging.getLogger(__name__)
 

@@ -59,8 +59,8 @@ from kvstore.backends.base import (
 from kvstore.backends.breaker import CircuitBreaker
 from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_parts
 from kvstore.backends.s3_options import S3Options
-from kvstore.config import redact_text
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
+from kvstore.redact import redact_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

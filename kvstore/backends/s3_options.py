@@ -44,7 +44,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvstore.backends.base import DEFAULT_MAX_OBJECT
-from kvstore.config import parse_size, redact_url, url_options
+from kvstore.options import parse_size, url_options
+from kvstore.redact import redact_url
 
 _CHECKSUM = ("when_required", "when_supported")
 _RETRY = ("standard", "adaptive", "legacy")

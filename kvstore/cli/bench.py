@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from kvstore.config import kvstore_home, parse_size
+from kvstore.options import kvstore_home, parse_size
 
 
 def default_url() -> str:
@@ -60,7 +60,7 @@ def bench(
     """
     from tqdm import tqdm
 
-    from kvstore.benchmark.run import run_bench
+    from kvstore.throughput.run import run_bench
 
     chunk = parse_size(size)
     if not chunk:

@@ -87,8 +87,8 @@ def demo(
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
     from tqdm import tqdm
 
-    from kvstore.config import kvstore_home
     from kvstore.demo.run import default_demo_tiers, run_demo, steps_total
+    from kvstore.options import kvstore_home
     from kvstore.store_config import StoreConfig
 
     try:

@@ -345,7 +345,7 @@ async def _open_tiers(report: Report, cfg: Any) -> tuple[Any, list[Any]]:
 
 
 def _redact(exc: BaseException | str) -> str:
-    from kvstore.config import redact_text
+    from kvstore.redact import redact_text
 
     return redact_text(str(exc))
 
@@ -511,7 +511,7 @@ def check_reuse(report: Report, cfg: Any, facts: dict[str, Any], store: Any) -> 
 
 
 def _budgets(report: Report, cfg: Any, facts: dict[str, Any], store: Any) -> None:
-    from kvstore.config import parse_size
+    from kvstore.options import parse_size
     from kvstore.tiered import split_store_options
 
     caps: list[int | None] = []

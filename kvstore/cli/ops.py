@@ -17,8 +17,9 @@ import click
 
 from kvstore.backends import Backend, open_backend
 from kvstore.backends.base import BackendUnavailableError
-from kvstore.config import option_size, parse_duration, parse_size, redact_text
 from kvstore.keys import printable_name
+from kvstore.options import option_size, parse_duration, parse_size
+from kvstore.redact import redact_text
 
 T = TypeVar("T")
 EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3

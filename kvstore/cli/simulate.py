@@ -22,7 +22,7 @@ import time
 
 import click
 
-from kvstore.config import parse_size
+from kvstore.options import parse_size
 from kvstore.policy import DEFAULT_POLICY, POLICIES
 from kvstore.policy import simulate as sim
 from kvstore.policy.trace import distinct_blocks, read_trace

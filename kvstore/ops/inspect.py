@@ -17,7 +17,6 @@ from typing import Any
 
 from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
-from kvstore.config import option_int
 from kvstore.frame import (
     MAGIC,
     PREFIX,
@@ -29,6 +28,7 @@ from kvstore.frame import (
     read_header,
 )
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+from kvstore.options import option_int
 
 HEAD_BYTES = 4096
 AGE_BUCKETS = ((3600, "<1h"), (86400, "<1d"), (7 * 86400, "<7d"), (30 * 86400, "<30d"))

@@ -44,10 +44,10 @@ from kvstore import codec as codecs
 from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
 from kvstore.buffers import BufferPool
-from kvstore.config import kvstore_home, option_int
 from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame, read_header
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix, printable_name
 from kvstore.ops.inspect import read_headers
+from kvstore.options import kvstore_home, option_int
 from kvstore.tier import OFFLOAD_BYTES
 
 log = logging.getLogger(__name__)

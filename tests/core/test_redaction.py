@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstore.backends import open_backend
-from kvstore.config import redact_text, redact_url
+from kvstore.redact import redact_text, redact_url
 from tests.support.required import require_module
 
 SECRETS = ("SEKRIT1", "SEKRIT2", "SEKRIT3", "SEKRIT4")

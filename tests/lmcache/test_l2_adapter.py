@@ -194,7 +194,7 @@ def test_lmcache_conformance_check(tmp_path):
 
 
 # ---------------------------------------------------------------------- faults
-from tests.support.redis_server import RedisServer, redis_available  # noqa: E402
+from kvstore.testing.redis_server import RedisServer, redis_available  # noqa: E402
 from tests.support.required import REDIS_INSTALL, needs  # noqa: E402
 
 needs_redis = needs(redis_available(), "redis-server", REDIS_INSTALL)

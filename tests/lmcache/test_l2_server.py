@@ -26,8 +26,8 @@ require_module("lmcache")
 torch = require_module("torch")
 
 from kvstore.lmcache_mp import MPClient, MPServer, MPServerError, plugin_l2_adapter, random_kv  # noqa: E402
-from tests.support.redis_server import RedisServer, redis_available  # noqa: E402
-from tests.support.seaweed import SeaweedS3, weed_binary  # noqa: E402
+from kvstore.testing.redis_server import RedisServer, redis_available  # noqa: E402
+from kvstore.testing.seaweed import SeaweedS3, weed_binary  # noqa: E402
 
 MODEL, LAYERS, HEADS, HEAD_DIM, CHUNK = "HuggingFaceTB/SmolLM2-135M", 30, 3, 64, 256
 TIMEOUT_S = 2.0  # the adapter's per-task deadline in these tests (each tier gets half)

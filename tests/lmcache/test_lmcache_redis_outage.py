@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
+from kvstore.testing.redis_server import RedisServer, redis_available
 from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
-from tests.support.redis_server import RedisServer, redis_available
 from tests.support.required import REDIS_INSTALL, needs
 
 BLOCKING_TIMEOUT = 5

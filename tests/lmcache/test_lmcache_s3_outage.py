@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
+from kvstore.testing.seaweed import SeaweedS3, weed_binary
 from tests.lmcache.helpers import CHUNK, cpu_bytes_in_use, empty, random_kv
 from tests.support.required import SEAWEED_INSTALL, require
-from tests.support.seaweed import SeaweedS3, weed_binary
 
 BLOCKING_TIMEOUT = 5  # LMCACHE_BLOCKING_TIMEOUT_SECS the helpers set
 

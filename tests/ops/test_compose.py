@@ -281,7 +281,7 @@ def serving_tiers(binary: str, **env: str) -> dict[str, list[str]]:
 def test_serving_defaults_are_what_an_operator_would_choose(binary: str) -> None:
     from urllib.parse import parse_qs, urlsplit
 
-    from kvstore.config import parse_size
+    from kvstore.options import parse_size
     from kvstore.store_config import StoreConfig
 
     services = model(binary, "compose.yaml", profile="*")["services"]

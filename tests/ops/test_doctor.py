@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvstore.cli.main import cli
-from tests.support.redis_server import RedisServer, free_port, redis_available
+from kvstore.testing.redis_server import RedisServer, free_port, redis_available
 from tests.support.required import REDIS_INSTALL, require
 
 PLUGIN = {

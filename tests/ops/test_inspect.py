@@ -100,7 +100,7 @@ def test_clear_errors_and_exit_codes(tmp_path: Path) -> None:
 
 
 def test_unreachable_redis_is_exit_3_with_the_fix() -> None:
-    from tests.support.seaweed import free_port
+    from kvstore.testing.seaweed import free_port
 
     code, out = run("stat", f"redis://127.0.0.1:{free_port()}/0?connect_timeout=0.5&timeout=1")
     assert code == 3

@@ -266,7 +266,7 @@ def test_cli_migrate_of_swapped_objects_exits_nonzero(tmp_path: Path) -> None:
 
 @pytest.fixture
 def evicting_redis():  # type: ignore[no-untyped-def]
-    from tests.support.redis_server import RedisServer, redis_available
+    from kvstore.testing.redis_server import RedisServer, redis_available
     from tests.support.required import REDIS_INSTALL, require
 
     require(redis_available(), "redis-server", REDIS_INSTALL)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.redis_server import RedisClusterProcs, RedisServer, redis_available
+from kvstore.testing.redis_server import RedisClusterProcs, RedisServer, redis_available
 from tests.support.required import REDIS_INSTALL, require
 
 # Quick deadlines so fault tests take seconds: connect 0.5 s, batch 2 s.

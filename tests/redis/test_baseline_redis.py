@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from kvstore.benchmark import baseline_for
+from kvstore.throughput import baseline_for
 
 
 async def test_baseline_round_trip_on_backend_url(redis_server):

@@ -11,8 +11,8 @@ import redis
 
 from kvstore.backends import open_backend
 from kvstore.backends import redis_layout as layout
+from kvstore.testing.redis_server import RedisServer, redis_available
 from tests.redis.conftest import FAST
-from tests.support.redis_server import RedisServer, redis_available
 from tests.support.required import REDIS_INSTALL, needs
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")  # an unawaited coroutine is a bug

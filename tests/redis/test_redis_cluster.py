@@ -9,7 +9,7 @@ import redis
 
 from kvstore.backends import open_backend
 from kvstore.backends.redis_layout import data_key, parts_key
-from tests.support.redis_server import redis_available
+from kvstore.testing.redis_server import redis_available
 from tests.support.required import REDIS_INSTALL, needs
 
 pytestmark = [

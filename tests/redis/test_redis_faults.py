@@ -14,8 +14,8 @@ import time
 import pytest
 
 from kvstore.backends import open_backend
+from kvstore.testing.redis_server import RedisServer, free_port
 from tests.redis.conftest import FAST
-from tests.support.redis_server import RedisServer, free_port
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")  # an unawaited coroutine is a bug
 MiB = 1 << 20

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore.backends import open_backend
-from tests.support.redis_server import RedisServer, redis_available
+from kvstore.testing.redis_server import RedisServer, redis_available
 from tests.support.required import REDIS_INSTALL, require
 
 

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
+from kvstore.testing.redis_server import RedisServer, redis_available
 from kvstore.tiered import TieredStore
-from tests.support.redis_server import RedisServer, redis_available
 from tests.support.required import REDIS_INSTALL, needs
 
 pytestmark = needs(redis_available(), "redis-server", REDIS_INSTALL)

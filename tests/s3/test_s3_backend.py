@@ -10,7 +10,7 @@ import pytest
 
 from kvstore.backends import open_backend
 from kvstore.backends.s3 import S3Backend, S3OpenError
-from kvstore.benchmark import baseline_for
+from kvstore.throughput import baseline_for
 
 MiB = 1 << 20
 
@@ -175,7 +175,7 @@ async def test_no_credentials_and_unreachable_endpoint_say_what_to_fix(s3_env, m
 
     for k, v in s3_env.env().items():
         monkeypatch.setenv(k, v)
-    from tests.support.seaweed import free_port
+    from kvstore.testing.seaweed import free_port
 
     b = open_backend(
         f"s3://kvstore-test/p?endpoint_url=http://127.0.0.1:{free_port()}&connect_timeout=0.5&max_attempts=1"

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from kvstore.backends import open_backend
-from tests.support.fault_proxy import Fault, FaultProxy
+from kvstore.testing.fault_proxy import Fault, FaultProxy
+from kvstore.testing.seaweed import SeaweedS3, weed_binary
 from tests.support.required import SEAWEED_INSTALL, require
-from tests.support.seaweed import SeaweedS3, weed_binary
 
 BUCKET = "kvstore-faults"
 FAST = {"connect_timeout": 0.5, "read_timeout": 1, "breaker_reset": 0.3}

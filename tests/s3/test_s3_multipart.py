@@ -25,7 +25,7 @@ from click.testing import CliRunner
 from kvstore.backends import open_backend
 from kvstore.backends.s3 import S3Backend
 from kvstore.cli.main import cli
-from tests.support.fault_proxy import FaultProxy
+from kvstore.testing.fault_proxy import FaultProxy
 
 BUCKET = "kvstore-test"
 MiB = 1 << 20

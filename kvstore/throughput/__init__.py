@@ -3,7 +3,7 @@
 Owns: the `Baseline` protocol and the scheme → baseline table.  Each backend's baseline
 (the plainest way to move the same bytes with the underlying library: ``os.write`` +
 ``fsync`` / ``os.preadv`` for disk, redis-py SET/GET for Redis, aiobotocore
-put_object/get_object for S3) lives in ``kvstore/benchmark/baseline_<scheme>.py`` as a
+put_object/get_object for S3) lives in ``kvstore/throughput/baseline_<scheme>.py`` as a
 class named ``Baseline``.
 """
 
@@ -31,13 +31,13 @@ class Baseline(Protocol):
 
 
 _BASELINES = {
-    "file": "kvstore.benchmark.baseline_file",
-    "mem": "kvstore.benchmark.baseline_mem",
-    "redis": "kvstore.benchmark.baseline_redis",
-    "rediss": "kvstore.benchmark.baseline_redis",
-    "unix": "kvstore.benchmark.baseline_redis",
-    "redis+cluster": "kvstore.benchmark.baseline_redis",
-    "s3": "kvstore.benchmark.baseline_s3",
+    "file": "kvstore.throughput.baseline_file",
+    "mem": "kvstore.throughput.baseline_mem",
+    "redis": "kvstore.throughput.baseline_redis",
+    "rediss": "kvstore.throughput.baseline_redis",
+    "unix": "kvstore.throughput.baseline_redis",
+    "redis+cluster": "kvstore.throughput.baseline_redis",
+    "s3": "kvstore.throughput.baseline_s3",
 }
 
 

@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import torch
 
 from kvstore.backends import open_backend
-from kvstore.benchmark import baseline_for
+from kvstore.throughput import baseline_for
 from kvstore.tier import Tier
 
 MiB = 1 << 20

@@ -19,7 +19,7 @@ Usage::
                                                           # bandwidth cap and added latency
 
 As a separate process (so its relaying does not share the caller's GIL), e.g. in
-benchmarks: ``python -m tests.support.fault_proxy UPSTREAM_PORT [--rate MiB/s]
+benchmarks: ``python -m kvstore.testing.fault_proxy UPSTREAM_PORT [--rate MiB/s]
 [--latency SECONDS]`` prints the port it listens on and runs until killed.
 
 Blocking threads (one per client connection), so it works for sync and async clients

@@ -35,7 +35,7 @@ def plain_client(url: str) -> Any:
 
 
 class Baseline:
-    """redis-py SET/GET of one key per object (`Baseline` protocol of kvstore.benchmark)."""
+    """redis-py SET/GET of one key per object (`Baseline` protocol of kvstore.throughput)."""
 
     name = "redis-py SET/GET"
 

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from kvstore.config import parse_bool, url_options
+from kvstore.options import parse_bool, url_options
 
 
 class Baseline:
