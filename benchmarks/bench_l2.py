@@ -1,6 +1,6 @@
 """MP mode: kvstore's L2 adapter against LMCache's own L2 adapters of the same kind.
 
-Every adapter is driven the way LMCache's MP server drives it (`plugins.l2_sync.SyncL2`:
+Every adapter is driven the way LMCache's MP server drives it (`kvstore_lmcache.l2_sync.SyncL2`:
 submit a store / lookup / load task, wait on its event fd), in one process, on the same
 chunks, in interleaved rounds (the order rotates each round):
 
@@ -67,14 +67,14 @@ def build_adapter(spec: dict) -> object:
 def kvstore_spec(tiers: list[str]) -> dict:
     return {
         "type": "plugin",
-        "module_path": "plugins.l2_adapter",
+        "module_path": "kvstore_lmcache.l2_adapter",
         "class_name": "KVStoreL2Adapter",
         "adapter_params": {"tiers": tiers, "timeout_s": 30},
     }
 
 
 def run_round(cfg: Config, data: list[torch.Tensor], dst: list[torch.Tensor], batch: int, base: int, check: bool):
-    from plugins.l2_sync import SyncL2, object_key
+    from kvstore_lmcache.l2_sync import SyncL2, object_key
 
     cfg.reset()
     adapter = cfg.make()

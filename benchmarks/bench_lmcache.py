@@ -43,15 +43,15 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import torch  # noqa: E402
 
-from plugins.engine import build_cpu_engine  # noqa: E402
-from plugins.hf_connector import empty_kv  # noqa: E402
+from kvstore.demo.cpu_engine import build_cpu_engine  # noqa: E402
+from kvstore.demo.hf_connector import empty_kv  # noqa: E402
 
 PLUGIN = {
-    "storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+    "storage_plugin.kvstore.module_path": "kvstore_lmcache.storage_plugin",
     "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
 }
 REMOTE = {
-    "remote_storage_plugin.kvstore.module_path": "plugins.remote_connector",
+    "remote_storage_plugin.kvstore.module_path": "kvstore_lmcache.remote_connector",
     "remote_storage_plugin.kvstore.class_name": "KVStoreRemoteConnector",
 }
 

@@ -5,7 +5,7 @@ where a prompt's stored prefix ends (so the store that follows knows its parent)
 background writes that hold their own reference to each MemoryObj until the write ends,
 and reads into MemoryObjs from LMCache's allocator.  The storage plugin and the remote
 connector only translate their interface's calls into these.  Must not touch: the
-runtime's loop and deadlines (`plugins.runtime`), storage logic (the store).
+runtime's loop and deadlines (`kvstore_lmcache.runtime`), storage logic (the store).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import concurrent.futures
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from plugins.chunk_io import read_chunks, write_chunks
-from plugins.keymap import object_name
-from plugins.runtime import StoreRuntime
+from kvstore_lmcache.chunk_io import read_chunks, write_chunks
+from kvstore_lmcache.keymap import object_name
+from kvstore_lmcache.runtime import StoreRuntime
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey

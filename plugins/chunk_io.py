@@ -12,8 +12,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from plugins.keymap import allocation_for, payload_of
-from plugins.runtime import PluginCounters
+from kvstore_lmcache.keymap import allocation_for, payload_of
+from kvstore_lmcache.runtime import PluginCounters
 
 if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj

@@ -3,7 +3,7 @@
 Load it with::
 
     lmcache server --l1-size-gb 20 --eviction-policy LRU \\
-      --l2-adapter '{"type": "plugin", "module_path": "plugins.l2_adapter",
+      --l2-adapter '{"type": "plugin", "module_path": "kvstore_lmcache.l2_adapter",
                      "class_name": "KVStoreL2Adapter",
                      "adapter_params": {"tiers": ["file:///var/cache/kvstore?capacity=500GiB"]}}'
 
@@ -45,8 +45,8 @@ from lmcache.v1.platform import create_event_notifier
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
-from plugins.keymap import mp_object_key, mp_object_name, payload_of
-from plugins.runtime import StoreRuntime, log
+from kvstore_lmcache.keymap import mp_object_key, mp_object_name, payload_of
+from kvstore_lmcache.runtime import StoreRuntime, log
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey

@@ -26,17 +26,17 @@ serde the chunk's own ``ObjectKey``, so a file renamed or copied under another k
 refused), shape and dtype against the buffer LMCache provides; any defect raises,
 which LMCache reports as a miss for the whole load task.  Nothing is ever unpickled.
 LMCache leaves a damaged object in place (a serde has no handle on its adapter), so
-``python -m plugins.mp_serde verify DIR --quarantine`` (`verify_fs`) finds and renames
+``python -m kvstore_lmcache.mp_serde verify DIR --quarantine`` (`verify_fs`) finds and renames
 them in an ``fs`` directory.
 
 Loading it in the server process (the registry is filled at import time, and the
 server builds its L2 adapters before it loads any ``--server-module``):
 
-* ``python -m plugins.mp_serde <the server's usual arguments>`` runs
+* ``python -m kvstore_lmcache.mp_serde <the server's usual arguments>`` runs
   ``lmcache.v1.multiprocess.server`` with the serde registered (``python -m
-  plugins.mp_serde lmcache server ...`` runs the ``lmcache server`` command); or
+  kvstore_lmcache.mp_serde lmcache server ...`` runs the ``lmcache server`` command); or
 * wrap the adapter in LMCache's ``plugin`` type: ``{"type": "plugin", "module_path":
-  "plugins.mp_serde", "class_name": "LMCacheL2Adapter", "adapter_params": {<the
+  "kvstore_lmcache.mp_serde", "class_name": "LMCacheL2Adapter", "adapter_params": {<the
   adapter's own JSON>}, "serde": {...}}``; importing this module registers the serde
   before LMCache builds the adapter's serde, and `LMCacheL2Adapter` hands back
   LMCache's own adapter for ``adapter_params``.
@@ -46,7 +46,7 @@ registration, the slot bound, the plugin shim, the launcher and ``verify`` of an
 directory.  Must not touch: the
 codec's internals (it only calls `Codec.frame_parts` / `decode_payload` and reads a
 profile's bins and codebooks), LMCache's adapters, controllers or threads, frames'
-layout (``kvstore.frame`` owns it), ObjectKey → name mapping (``plugins.keymap``).
+layout (``kvstore.frame`` owns it), ObjectKey → name mapping (``kvstore_lmcache.keymap``).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ from kvstore.frame import (
     read_header,
 )
 from kvstore.keys import DEFAULT_NAMESPACE, MAX_NAME_LEN
-from plugins.keymap import mp_object_name, payload_of
+from kvstore_lmcache.keymap import mp_object_name, payload_of
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -363,7 +363,7 @@ register()
 class LMCacheL2Adapter(L2AdapterInterface):
     """LMCache's own L2 adapter for ``adapter_params``, built through LMCache's ``plugin`` type.
 
-    ``{"type": "plugin", "module_path": "plugins.mp_serde", "class_name":
+    ``{"type": "plugin", "module_path": "kvstore_lmcache.mp_serde", "class_name":
     "LMCacheL2Adapter", "adapter_params": {"type": "fs", "base_path": ...}, "serde":
     {"type": "kvstore_cachegen"}}``: LMCache imports this module (registering the serde),
     then calls the class with ``adapter_params``; the call returns the adapter LMCache
@@ -418,18 +418,18 @@ def verify_fs(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m plugins.mp_serde ARGS``: LMCache's MP server with the serde registered.
+    """``python -m kvstore_lmcache.mp_serde ARGS``: LMCache's MP server with the serde registered.
 
     ARGS are the server's own (``--host``, ``--port``, ``--l1-size-gb``,
     ``--eviction-policy``, ``--l2-adapter`` …), passed through unchanged;
-    ``python -m plugins.mp_serde lmcache server ARGS`` runs LMCache's ``lmcache`` command
+    ``python -m kvstore_lmcache.mp_serde lmcache server ARGS`` runs LMCache's ``lmcache`` command
     (its HTTP-fronted server) instead.
-    ``python -m plugins.mp_serde verify DIR [--namespace NS] [--quarantine]`` checks an
+    ``python -m kvstore_lmcache.mp_serde verify DIR [--namespace NS] [--quarantine]`` checks an
     ``fs`` L2 directory instead (`verify_fs`; exit status 1 if any object is damaged).
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["verify"]:
-        parser = argparse.ArgumentParser(prog="python -m plugins.mp_serde verify")
+        parser = argparse.ArgumentParser(prog="python -m kvstore_lmcache.mp_serde verify")
         parser.add_argument("base_path")
         parser.add_argument("--namespace", default=DEFAULT_NAMESPACE)
         parser.add_argument("--quarantine", action="store_true")

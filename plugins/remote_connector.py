@@ -4,7 +4,7 @@ Load it with::
 
     LMCACHE_REMOTE_STORAGE_PLUGINS=kvstore
     LMCACHE_REMOTE_SERDE=naive
-    LMCACHE_EXTRA_CONFIG='{"remote_storage_plugin.kvstore.module_path": "plugins.remote_connector",
+    LMCACHE_EXTRA_CONFIG='{"remote_storage_plugin.kvstore.module_path": "kvstore_lmcache.remote_connector",
                            "remote_storage_plugin.kvstore.class_name": "KVStoreRemoteConnector",
                            "kvstore.tiers": ["file:///var/cache/kv", "redis://cache:6379"]}'
 
@@ -28,8 +28,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from plugins.bridge import InProcessBridge
-from plugins.runtime import StoreRuntime, load_config, log
+from kvstore_lmcache.bridge import InProcessBridge
+from kvstore_lmcache.runtime import StoreRuntime, load_config, log
 
 
 class KVStoreRemoteConnector(RemoteConnector):

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from kvstore.keys import namespace_prefix
 from kvstore.metrics_export import export_store, forget_store
 from kvstore.store_config import StoreConfig, StoreConfigError
-from plugins.reuse_watch import ReuseWatch
+from kvstore_lmcache.reuse_watch import ReuseWatch
 
 log = logging.getLogger("kvstore.plugins")
 T = TypeVar("T")

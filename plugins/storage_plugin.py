@@ -3,7 +3,7 @@
 Load it with::
 
     LMCACHE_STORAGE_PLUGINS=kvstore
-    LMCACHE_EXTRA_CONFIG='{"storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+    LMCACHE_EXTRA_CONFIG='{"storage_plugin.kvstore.module_path": "kvstore_lmcache.storage_plugin",
                            "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
                            "kvstore.tiers": ["mem://hot?capacity=2GiB", "file:///var/cache/kv"]}'
 
@@ -29,8 +29,8 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
-from plugins.bridge import InProcessBridge
-from plugins.runtime import StoreRuntime, load_config, log
+from kvstore_lmcache.bridge import InProcessBridge
+from kvstore_lmcache.runtime import StoreRuntime, load_config, log
 
 
 class KVStoreStoragePlugin(StoragePluginInterface):

@@ -3,7 +3,7 @@
 Owns: finding the configuration (in-process: LMCache's own config, i.e. ``LMCACHE_*`` or
 ``LMCACHE_CONFIG_FILE``, with ``LMCACHE_EXTRA_CONFIG``, ``KVSTORE_*`` and a kvstore
 config file; MP mode: the ``--l2-adapter`` JSON as given to ``lmcache server``); handing
-it to the validation the plugins run (`plugins.runtime.load_config`, or LMCache's
+it to the validation the plugins run (`kvstore_lmcache.runtime.load_config`, or LMCache's
 ``--l2-adapter`` parser and `KVStoreL2AdapterConfig.from_dict`); opening the store they
 would open; one verified probe round trip per tier; what reuse across restarts and
 servers needs (hashing, sharing, budgets); the report (text or ``--json``) and its exit
@@ -134,7 +134,7 @@ def _lmcache_config() -> Any:
 
 def in_process_config(report: Report) -> tuple[Any, dict[str, Any]]:
     """(StoreConfig, facts) for the in-process plugins; raises `ConfigInvalid`."""
-    from plugins.runtime import load_config
+    from kvstore_lmcache.runtime import load_config
 
     facts: dict[str, Any] = {"plugin": None}
     raw_extra = os.environ.get("LMCACHE_EXTRA_CONFIG")
@@ -187,8 +187,8 @@ def _plugin_path(report: Report, lm: Any, extra: dict[str, Any], facts: dict[str
     """Which kvstore path LMCache will load, and what LMCache needs for it."""
     found = []
     for attr, key, module in (
-        ("storage_plugins", "storage_plugin", "plugins.storage_plugin"),
-        ("remote_storage_plugins", "remote_storage_plugin", "plugins.remote_connector"),
+        ("storage_plugins", "storage_plugin", "kvstore_lmcache.storage_plugin"),
+        ("remote_storage_plugins", "remote_storage_plugin", "kvstore_lmcache.remote_connector"),
     ):
         for name in getattr(lm, attr, None) or []:
             if extra.get(f"{key}.{name}.module_path") == module:
@@ -198,7 +198,7 @@ def _plugin_path(report: Report, lm: Any, extra: dict[str, Any], facts: dict[str
             "LMCache plugin",
             WARN,
             "LMCache is not configured to load kvstore (no storage or remote plugin with "
-            "module_path plugins.storage_plugin / plugins.remote_connector); checked kvstore's settings only",
+            "module_path kvstore_lmcache.storage_plugin / kvstore_lmcache.remote_connector); checked kvstore's settings only",
             "set LMCACHE_STORAGE_PLUGINS=kvstore and storage_plugin.kvstore.module_path / class_name "
             "in LMCACHE_EXTRA_CONFIG (docs/lmcache.md)",
         )
@@ -250,7 +250,10 @@ def mp_config(report: Report, raw: str) -> tuple[Any, dict[str, Any]]:
         report.add("--l2-adapter", FAIL, f"lmcache server would refuse it: {exc}", _ADAPTER_FIX)
         raise ConfigInvalid from None
     outer = parsed.adapters[0]
-    if not isinstance(outer, PluginL2AdapterConfig) or outer.module_path != "plugins.l2_adapter":
+    if not isinstance(outer, PluginL2AdapterConfig) or outer.module_path not in (
+        "kvstore_lmcache.l2_adapter",
+        "plugins.l2_adapter",  # the import name before 0.2; still loads
+    ):
         report.add(
             "--l2-adapter",
             FAIL,
@@ -278,7 +281,7 @@ def mp_config(report: Report, raw: str) -> tuple[Any, dict[str, Any]]:
 
 
 _ADAPTER_FIX = (
-    '\'{"type": "plugin", "module_path": "plugins.l2_adapter", "class_name": "KVStoreL2Adapter", '
+    '\'{"type": "plugin", "module_path": "kvstore_lmcache.l2_adapter", "class_name": "KVStoreL2Adapter", '
     '"adapter_params": {"tiers": [...]}}\' (see plugins/l2_adapter.py)'
 )
 

@@ -46,7 +46,7 @@ def adapter_spec(tiers: list[TierConfig]) -> dict:
     from kvstore.lmcache_mp import plugin_l2_adapter
 
     return plugin_l2_adapter(
-        "plugins.l2_adapter",
+        "kvstore_lmcache.l2_adapter",
         "KVStoreL2Adapter",
         {"tiers": [{"url": t.url, "codec": t.codec} for t in tiers], "namespace": "demo", "timeout_s": 20},
     )

@@ -24,11 +24,11 @@ import torch
 from kvstore.store_config import TierConfig
 
 PLUGIN = {
-    "storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+    "storage_plugin.kvstore.module_path": "kvstore_lmcache.storage_plugin",
     "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
 }
 REMOTE = {
-    "remote_storage_plugin.kvstore.module_path": "plugins.remote_connector",
+    "remote_storage_plugin.kvstore.module_path": "kvstore_lmcache.remote_connector",
     "remote_storage_plugin.kvstore.class_name": "KVStoreRemoteConnector",
 }
 
@@ -189,8 +189,8 @@ def run_demo(
     threads: int | None = None,
     step: Callable[[str], None] = lambda msg: None,
 ) -> DemoReport:
-    from plugins.engine import build_cpu_engine
-    from plugins.hf_connector import empty_kv
+    from kvstore.demo.cpu_engine import build_cpu_engine
+    from kvstore.demo.hf_connector import empty_kv
 
     model, ids_list, model_load_s = load_demo(threads, prompts, prompt_tokens, step)
 

@@ -74,8 +74,8 @@ class MPServer:
     added automatically) makes engine-driven transfers go through ``/dev/shm`` instead
     of pickled bytes over ZMQ.  ``extra_args`` are appended last and win over the
     defaults for flags argparse takes once.  ``env`` is added to a copy of the current
-    environment; the repository root is put on ``PYTHONPATH`` so ``plugins.*`` and
-    ``kvstore.*`` import in the server.
+    environment; the repository root is put on ``PYTHONPATH`` so this checkout's ``kvstore``,
+    ``kvstore_lmcache`` and test modules import in the server.
     """
 
     def __init__(

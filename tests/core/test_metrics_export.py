@@ -135,7 +135,7 @@ async def test_breaker_state_of_a_tier() -> None:
 
 def test_plugin_runtime_exports_its_counters(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvstore.store_config import StoreConfig
-    from plugins.runtime import StoreRuntime
+    from kvstore_lmcache.runtime import StoreRuntime
 
     monkeypatch.setenv(metrics_export.ENV_PORT, "0")
     rt = StoreRuntime(StoreConfig.from_mapping({"kvstore.tiers": "mem://mx-plugin"}), name="kvstore-plugin")
@@ -160,8 +160,8 @@ def test_plugin_runtime_exports_its_counters(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_l2_adapter_metrics_port_and_counters(tmp_path: Path) -> None:
     require_module("lmcache.v1.distributed.l2_adapters.base")
-    from plugins.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig
-    from plugins.l2_sync import SyncL2, object_key
+    from kvstore_lmcache.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig
+    from kvstore_lmcache.l2_sync import SyncL2, object_key
 
     with pytest.raises(ValueError, match="metrics_port"):
         KVStoreL2AdapterConfig.from_dict({"tiers": ["mem://x"], "metrics_port": "http"})

@@ -14,7 +14,7 @@ from tests.lmcache.helpers import HEAD_DIM, HEADS, LAYERS, lmcache_env
 @pytest.fixture
 def make_engine(monkeypatch):
     """make_engine(path, asyncm, tiers=None) -> CPUEngine; closed at teardown."""
-    from plugins.engine import build_cpu_engine
+    from kvstore.demo.cpu_engine import build_cpu_engine
 
     built = []
 

@@ -9,11 +9,11 @@ import torch
 LAYERS, HEADS, HEAD_DIM, CHUNK = 2, 2, 8, 16
 
 PLUGIN_EXTRA = {
-    "storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+    "storage_plugin.kvstore.module_path": "kvstore_lmcache.storage_plugin",
     "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
 }
 REMOTE_EXTRA = {
-    "remote_storage_plugin.kvstore.module_path": "plugins.remote_connector",
+    "remote_storage_plugin.kvstore.module_path": "kvstore_lmcache.remote_connector",
     "remote_storage_plugin.kvstore.class_name": "KVStoreRemoteConnector",
 }
 
@@ -51,7 +51,7 @@ def random_kv(tokens: int, seed: int = 0):
 
 
 def empty(tokens: int):
-    from plugins.hf_connector import empty_kv
+    from kvstore.demo.hf_connector import empty_kv
 
     return empty_kv(LAYERS, HEADS, tokens, HEAD_DIM, torch.bfloat16)
 

@@ -24,8 +24,8 @@ require_module("lmcache.v1.distributed.l2_adapters.base")
 
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 
-from plugins.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig  # noqa: E402
-from plugins.l2_sync import SyncL2, object_key  # noqa: E402
+from kvstore_lmcache.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig  # noqa: E402
+from kvstore_lmcache.l2_sync import SyncL2, object_key  # noqa: E402
 
 SHAPE = (2, 2, 16, 32)  # [kv, layers, tokens, heads*dim]
 
@@ -186,7 +186,7 @@ def test_bad_settings_name_the_setting(params, words):
 def test_lmcache_conformance_check(tmp_path):
     spec = {
         "type": "plugin",
-        "module_path": "plugins.l2_adapter",
+        "module_path": "kvstore_lmcache.l2_adapter",
         "class_name": "KVStoreL2Adapter",
         "adapter_params": {"tiers": ["mem://bc?capacity=64MiB", f"file://{tmp_path}/disk"]},
     }

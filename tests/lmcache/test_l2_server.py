@@ -35,7 +35,7 @@ TIMEOUT_S = 2.0  # the adapter's per-task deadline in these tests (each tier get
 
 def kvstore_adapter(tiers: list[str], **params: object) -> dict[str, object]:
     return plugin_l2_adapter(
-        "plugins.l2_adapter", "KVStoreL2Adapter", {"tiers": tiers, "namespace": "mp-test", **params}
+        "kvstore_lmcache.l2_adapter", "KVStoreL2Adapter", {"tiers": tiers, "namespace": "mp-test", **params}
     )
 
 

@@ -6,7 +6,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 
 from kvstore.keys import ChunkKey
-from plugins.keymap import chunk_key, object_name
+from kvstore_lmcache.keymap import chunk_key, object_name
 
 
 def _key(h: int, dtype=torch.bfloat16, **kw) -> CacheEngineKey:

@@ -25,7 +25,7 @@ def test_extra_config_keys():
             "kvstore.namespace": "team-a",
             "kvstore.timeout_s": "2.5",
             "kvstore.max_pending": "64MiB",
-            "storage_plugin.kvstore.module_path": "plugins.storage_plugin",  # not ours: ignored
+            "storage_plugin.kvstore.module_path": "kvstore_lmcache.storage_plugin",  # not ours: ignored
         }
     )
     assert cfg.tiers == (TierConfig("mem://a?capacity=1MiB"), TierConfig("mem://b"))

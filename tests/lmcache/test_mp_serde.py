@@ -39,8 +39,8 @@ from kvstore.frame import (
 from kvstore.keys import ChunkKey
 from kvstore.lmcache_mp import MPClient, MPServer, MPServerError, fs_l2_adapter, plugin_l2_adapter
 from kvstore.tier import Tier
-from plugins.keymap import mp_object_key, mp_object_name
-from plugins.mp_serde import (
+from kvstore_lmcache.keymap import mp_object_key, mp_object_name
+from kvstore_lmcache.mp_serde import (
     SERDE_TYPE,
     CacheGenFrameSerde,
     SerdeOptions,
@@ -336,7 +336,7 @@ def test_lmcache_fs_adapter_stores_and_loads_through_the_serde_across_a_restart(
     else:
         adapter = {
             "type": "plugin",
-            "module_path": "plugins.mp_serde",
+            "module_path": "kvstore_lmcache.mp_serde",
             "class_name": "LMCacheL2Adapter",
             "adapter_params": fs,
             "serde": serde_spec,
@@ -414,11 +414,11 @@ def test_lmcache_fs_adapter_stores_and_loads_through_the_serde_across_a_restart(
 
 
 class _LauncherServer(MPServer):
-    """The harness's server, started through ``python -m plugins.mp_serde`` instead."""
+    """The harness's server, started through ``python -m kvstore_lmcache.mp_serde`` instead."""
 
     def command(self) -> list[str]:
         cmd = super().command()
-        cmd[cmd.index("lmcache.v1.multiprocess.server")] = "plugins.mp_serde"
+        cmd[cmd.index("lmcache.v1.multiprocess.server")] = "kvstore_lmcache.mp_serde"
         return cmd
 
 
@@ -426,7 +426,7 @@ def _adapter(route: str, base: Path) -> dict:
     serde = {"type": SERDE_TYPE, "codec": "cachegen?profile=smollm2-135m"}
     if route == "plugin":
         return {
-            **plugin_l2_adapter("plugins.mp_serde", "LMCacheL2Adapter", fs_l2_adapter(base)),
+            **plugin_l2_adapter("kvstore_lmcache.mp_serde", "LMCacheL2Adapter", fs_l2_adapter(base)),
             "serde": serde,
         }
     return {**fs_l2_adapter(base), "serde": serde}

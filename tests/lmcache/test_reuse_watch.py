@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from plugins.reuse_watch import ReuseWatch
+from kvstore_lmcache.reuse_watch import ReuseWatch
 
 
 def test_watch_warns_once_only_when_old_chunks_are_never_found():
@@ -26,8 +26,8 @@ def test_watch_warns_once_only_when_old_chunks_are_never_found():
 
 
 def test_l2_adapter_warns_when_a_restart_finds_none_of_its_chunks(tmp_path, caplog):
-    from plugins.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig
-    from plugins.l2_sync import SyncL2, object_key
+    from kvstore_lmcache.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig
+    from kvstore_lmcache.l2_sync import SyncL2, object_key
 
     params = {"tiers": [f"file://{tmp_path}/disk?fsync=false"]}
     kv = torch.zeros(2, 2, 16, 32, dtype=torch.bfloat16)

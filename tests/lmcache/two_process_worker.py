@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from plugins.engine import build_cpu_engine
+from kvstore.demo.cpu_engine import build_cpu_engine
 from tests.lmcache.helpers import CHUNK, HEAD_DIM, HEADS, LAYERS, empty, random_kv
 
 

@@ -226,7 +226,7 @@ def test_serving_is_lmcache_server_with_kvstore_and_vllm_with_the_mp_connector(b
     from lmcache.v1.distributed.config import parse_args_to_config
     from lmcache.v1.multiprocess.config import parse_args_to_mp_server_config
 
-    from plugins.l2_adapter import KVStoreL2AdapterConfig
+    from kvstore_lmcache.l2_adapter import KVStoreL2AdapterConfig
 
     services = model(binary, "compose.yaml", profile="serving")["services"]
     assert {"lmcache-server", "vllm"} <= set(services) and "vllm-inprocess" not in services
@@ -242,7 +242,7 @@ def test_serving_is_lmcache_server_with_kvstore_and_vllm_with_the_mp_connector(b
     spec = adapter_json(server)
     assert (spec["type"], spec["module_path"], spec["class_name"]) == (
         "plugin",
-        "plugins.l2_adapter",
+        "kvstore_lmcache.l2_adapter",
         "KVStoreL2Adapter",
     )
     store = KVStoreL2AdapterConfig.from_dict(spec["adapter_params"]).store

@@ -95,7 +95,7 @@ def test_server_example_is_accepted_by_lmcache_and_kvstore(n: int, tmp_path: Pat
 
     from kvstore.store_config import _written_through
     from kvstore.tiered import split_store_options
-    from plugins.l2_adapter import KVStoreL2AdapterConfig, store_capacity
+    from kvstore_lmcache.l2_adapter import KVStoreL2AdapterConfig, store_capacity
 
     calls, _ = run_block(SERVER_BLOCKS[n], tmp_path)
     argv = calls["lmcache"]

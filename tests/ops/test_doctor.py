@@ -21,11 +21,11 @@ from kvstore.testing.redis_server import RedisServer, free_port, redis_available
 from tests.support.required import REDIS_INSTALL, require
 
 PLUGIN = {
-    "storage_plugin.kvstore.module_path": "plugins.storage_plugin",
+    "storage_plugin.kvstore.module_path": "kvstore_lmcache.storage_plugin",
     "storage_plugin.kvstore.class_name": "KVStoreStoragePlugin",
 }
 REMOTE = {
-    "remote_storage_plugin.kvstore.module_path": "plugins.remote_connector",
+    "remote_storage_plugin.kvstore.module_path": "kvstore_lmcache.remote_connector",
     "remote_storage_plugin.kvstore.class_name": "KVStoreRemoteConnector",
 }
 
@@ -34,7 +34,7 @@ def adapter_json(**params: Any) -> str:
     return json.dumps(
         {
             "type": "plugin",
-            "module_path": "plugins.l2_adapter",
+            "module_path": "kvstore_lmcache.l2_adapter",
             "class_name": "KVStoreL2Adapter",
             "adapter_params": params,
         }

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from plugins.hf_connector import ContiguousKVConnector
+from kvstore.demo.hf_connector import ContiguousKVConnector
 
 
 class LookupAnswers:
