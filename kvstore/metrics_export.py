@@ -215,7 +215,7 @@ class _Extra:
                 g.add_metric([src.label], float(len(locked)))
 
     def _dataclass(self, prefix: str, who: str, label: str, counters: Any) -> None:
-        if not is_dataclass(counters):
+        if not is_dataclass(counters) or isinstance(counters, type):
             return
         for key, value in asdict(counters).items():
             name = f"{prefix}_{key}"

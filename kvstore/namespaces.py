@@ -13,6 +13,7 @@ Objects are counted once however many tiers hold copies.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 from dataclasses import dataclass
 
 
@@ -71,13 +72,14 @@ class NamespaceBook:
             self.used[ns] -= old[0]
 
     def __contains__(self, name: object) -> bool:
-        return isinstance(name, str) and name in self._held.get(namespace_of(name), ())
+        return isinstance(name, str) and name in self._held.get(namespace_of(name), {})
 
     def is_expired(self, name: str, now: float) -> bool:
         ttl = self.rule(namespace_of(name)).ttl
         if ttl is None:
             return False
-        entry = self._held.get(namespace_of(name), {}).get(name)
+        held = self._held.get(namespace_of(name))
+        entry = held.get(name) if held is not None else None
         return entry is not None and now - entry[1] >= ttl
 
     def expired(self, now: float) -> list[str]:
@@ -94,7 +96,7 @@ class NamespaceBook:
         return out
 
     def over_quota(
-        self, name: str, size: int, keep: set[str] | frozenset[str] = frozenset()
+        self, name: str, size: int, keep: Container[str] = frozenset()
     ) -> list[str] | None:
         """Oldest objects of `name`'s namespace to drop so `size` more bytes fit its quota.
 

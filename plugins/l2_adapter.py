@@ -223,10 +223,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
     async def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> tuple[bool, int]:
         """Write the batch: chunks a lookup placed in a prompt go as chained runs with their
         parent; chunks with no known parent go together, unchained.  All concurrently."""
-        names = self._names(keys)
-        idx = [i for i, n in enumerate(names) if n is not None]
+        names = {i: n for i, n in enumerate(self._names(keys)) if n is not None}
+        idx = list(names)
         payloads = {i: payload_of(objects[i]) for i in idx}
-        parents = {i: self.runtime.parent_of(names[i]) for i in idx}  # type: ignore[arg-type]
+        parents = {i: self.runtime.parent_of(names[i]) for i in idx}
         runs: list[list[int]] = []  # consecutive chunks of one prompt, one layout
         loose: dict[str, list[int]] = {}  # no known parent, by layout
         for k, i in enumerate(idx):
@@ -248,7 +248,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
         async def put(group: list[int], chained: bool) -> list[bool]:
             return await self.runtime.store.put_many(
-                [(names[i], payloads[i][0]) for i in group],  # type: ignore[misc]
+                [(names[i], payloads[i][0]) for i in group],
                 chained=chained,
                 parent=parents[group[0]] if chained else None,
                 layout=payloads[group[0]][1],
@@ -378,9 +378,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return tid
 
     async def _load(self, names: list[str | None], objects: list[MemoryObj]) -> list[bool]:
-        idx = [i for i, n in enumerate(names) if n is not None]
+        known = {i: n for i, n in enumerate(names) if n is not None}
+        idx = list(known)
         outs = [payload_of(objects[i])[0] for i in idx]
-        got = await self.runtime.store.get_many([names[i] for i in idx], out=outs)  # type: ignore[misc]
+        got = await self.runtime.store.get_many(list(known.values()), out=outs)
         hits = [False] * len(names)
         for i, t in zip(idx, got):
             hits[i] = t is not None
@@ -522,7 +523,8 @@ def store_capacity(cfg: StoreConfig) -> int:
     from kvstore.tiered import split_store_options
 
     budgets = [parse_size(split_store_options(t.url)[1].get("capacity")) for t in cfg.tiers]
-    return max(budgets) if all(budgets) else 0  # type: ignore[type-var, return-value]
+    sized = [b for b in budgets if b]
+    return max(sized) if sized and len(sized) == len(budgets) else 0
 
 
 __all__ = ["KVStoreL2Adapter", "KVStoreL2AdapterConfig", "store_capacity"]

@@ -162,12 +162,11 @@ class SerdeOptions:
         for key in ("preset", "profile", "threads"):
             if key in kwargs:
                 options[key] = kwargs[key]
-        ratio = kwargs.get("slot_ratio")
-        if ratio is not None:
-            ratio = float(ratio)  # type: ignore[arg-type]
-            if not 0 < ratio <= 2:
-                raise ValueError(f"{SERDE_TYPE}: slot_ratio must be in (0, 2], got {ratio}")
-        workers = int(kwargs.get("max_workers", 1))  # type: ignore[call-overload]
+        raw_ratio = kwargs.get("slot_ratio")
+        ratio = None if raw_ratio is None else _number("slot_ratio", raw_ratio)
+        if ratio is not None and not 0 < ratio <= 2:
+            raise ValueError(f"{SERDE_TYPE}: slot_ratio must be in (0, 2], got {ratio}")
+        workers = int(_number("max_workers", kwargs.get("max_workers", 1)))
         if workers < 1:
             raise ValueError(f"{SERDE_TYPE}: max_workers must be >= 1, got {workers}")
         namespace = str(kwargs.get("namespace", DEFAULT_NAMESPACE))
@@ -319,7 +318,7 @@ class CacheGenFrameSerde(Serializer, Deserializer):
     # ---- deserialize ------------------------------------------------------------------
 
     def deserialize(self, src: MemoryObj, dst: MemoryObj, key: ObjectKey) -> None:
-        blob = memoryview(_flat_bytes(src, "source").numpy())
+        blob = _flat_bytes(src, "source").numpy().data
         frame = decode_frame(frame_view(blob), key=mp_object_name(key, self.options.namespace))
         header = frame.header
         target = _kv_view(dst, "destination")
@@ -339,6 +338,15 @@ class CacheGenFrameSerde(Serializer, Deserializer):
 
 def _align(n: int) -> int:
     return max(SLOT_ALIGN, -(-n // SLOT_ALIGN) * SLOT_ALIGN)
+
+
+def _number(option: str, value: object) -> float:
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    raise ValueError(f"{SERDE_TYPE}: {option} must be a number, got {value!r}")
 
 
 def create_serde(kwargs: dict[str, object]) -> SerdeProcessor:

@@ -183,7 +183,14 @@ def evaluate(
     import torch
 
     from kvstore.codec import get, kvmodel
+    from kvstore.codec.cachegen import CacheGenCodec
     from kvstore.codec.cachegen_calibrate import evaluate as run
+
+    def cachegen(**options: str) -> CacheGenCodec:
+        codec = get("cachegen", **options)
+        if not isinstance(codec, CacheGenCodec):
+            raise TypeError(f"the codec registry gave {type(codec).__name__} for cachegen")
+        return codec
 
     torch.set_num_threads(threads)
     lm = _model(model, gguf_file)
@@ -191,10 +198,10 @@ def evaluate(
     for s in samples:
         if s.repeated:
             click.echo(f"note: {s.label} is shorter than --prefix + --cont tokens; it was repeated", err=True)
-    todo = [(f"preset={p}", get("cachegen", preset=p)) for p in presets or ()]
-    todo += [(f"profile={p}", get("cachegen", profile=p)) for p in profiles]
+    todo = [(f"preset={p}", cachegen(preset=p)) for p in presets or ()]
+    todo += [(f"profile={p}", cachegen(profile=p)) for p in profiles]
     if not todo:
-        todo = [("preset=lmcache", get("cachegen", preset="lmcache"))]
+        todo = [("preset=lmcache", cachegen(preset="lmcache"))]
     for label, c in todo:
         rep = run(c, label, samples, lm if quality else None, chunk=chunk, dtype=getattr(torch, dtype))
         if as_json:

@@ -107,6 +107,12 @@ class _PagedCore:
             **kwargs,
         )
 
+    def _chunk_dims(self) -> tuple[int, int]:
+        """(num_layers, hidden_dim_size), known once ``__init__`` has returned."""
+        if self.num_layers is None or self.hidden_dim_size is None:
+            raise RuntimeError("the connector's chunk shape is not known yet")
+        return self.num_layers, self.hidden_dim_size
+
     # -- binding --------------------------------------------------------------------
 
     def _bind_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedKVCache:
@@ -188,7 +194,8 @@ class PagedKVConnector(_PagedCore, GPUConnectorInterface):
         return MemoryFormat.KV_MLA_FMT if self.use_mla else MemoryFormat.KV_2LTD
 
     def get_shape(self, num_tokens: int) -> torch.Size:
-        return torch.Size([1 if self.use_mla else 2, self.num_layers, num_tokens, self.hidden_dim_size])
+        layers, width = self._chunk_dims()
+        return torch.Size([1 if self.use_mla else 2, layers, num_tokens, width])
 
     # -- store: paged cache -> memory objects ------------------------------------------
 
@@ -276,9 +283,10 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         return MemoryFormat.KV_MLA_FMT if self.use_mla else MemoryFormat.KV_T2D
 
     def get_shape(self, num_tokens: int) -> torch.Size:
+        _, width = self._chunk_dims()
         if self.use_mla:
-            return torch.Size([num_tokens, self.hidden_dim_size])
-        return torch.Size([num_tokens, 2, self.hidden_dim_size])
+            return torch.Size([num_tokens, width])
+        return torch.Size([num_tokens, 2, width])
 
     def to_gpu(self, memory_obj: MemoryObj, start: int, end: int, **kwargs: Any) -> None:
         raise NotImplementedError(

@@ -200,16 +200,15 @@ def discover_layout(kv_caches: Sequence[torch.Tensor], layout: KVLayout | str | 
 
     kv_dim = {KVLayout.FLASH_ATTN: 0, KVLayout.FLASH_INFER: 1}.get(kind)
     if (hint is not None and hint is not kind) or (kv_dim is not None and shape[kv_dim] != 2):
-        raise LayoutError(
-            f"layout hint {hint.value!r} does not match KV cache shape {shape}; expected {_SUPPORTED}"
-        )
+        named = f"layout hint {hint.value!r}" if hint is not None else f"layout {kind.value!r}"
+        raise LayoutError(f"{named} does not match KV cache shape {shape}; expected {_SUPPORTED}")
+    dims: tuple[int, ...] = shape
     if kind is KVLayout.FLASH_ATTN:
-        _, nb, bs, h, d = shape
+        nb, bs, h, d = dims[1], dims[2], dims[3], dims[4]
     elif kind is KVLayout.FLASH_INFER:
-        nb, _, bs, h, d = shape
+        nb, bs, h, d = dims[0], dims[2], dims[3], dims[4]
     else:
-        nb, bs, d = shape
-        h = 1
+        nb, bs, h, d = dims[0], dims[1], 1, dims[2]
     result = PagedLayout(kind, len(kv_caches), nb, bs, h, d, first.dtype, first.device)
     for t in kv_caches:
         result.row_view(t)  # contiguity check with a clear message

@@ -31,7 +31,7 @@ class StagingBuffer:
     """One pooled host buffer; ``event`` marks a device copy that still uses it."""
 
     data: torch.Tensor  # uint8, 1-D
-    event: object | None = None  # torch.cuda.Event on CUDA
+    event: torch.cuda.Event | None = None  # set on CUDA only
 
     @property
     def capacity(self) -> int:
@@ -97,21 +97,20 @@ class PinnedPool:
                     self.stats.reuses += 1
                     return buf
                 free.append(buf)
+            reused: StagingBuffer | None = None
             if free and self.stats.cached_bytes + size > self.max_cached_bytes:
-                buf = free.popleft()
+                reused = free.popleft()
                 self.stats.waits += 1
                 self.stats.reuses += 1
             else:
-                buf = None
-            if buf is None:
                 self.stats.allocations += 1
                 self.stats.cached_bytes += size
-        if buf is not None:
-            buf.wait()
-            return buf
+        if reused is not None:
+            reused.wait()
+            return reused
         return StagingBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=bool(self.pin)))
 
-    def release(self, buf: StagingBuffer, event: object | None = None) -> None:
+    def release(self, buf: StagingBuffer, event: torch.cuda.Event | None = None) -> None:
         """Return ``buf``; it is reused once ``event`` (its last device copy) completes."""
         buf.event = event
         with self._lock:

@@ -55,7 +55,7 @@ class CopyStream:
         if self.stream is not None and t.device.type == "cuda":
             t.record_stream(self.stream)
 
-    def record(self) -> object | None:
+    def record(self) -> torch.cuda.Event | None:
         """An event marking everything queued on the copy stream so far."""
         if self.stream is None:
             return None
@@ -68,7 +68,7 @@ class CopyStream:
         if self.stream is not None:
             self.stream.synchronize()
 
-    def current_waits(self, event: object | None = None) -> None:
+    def current_waits(self, event: torch.cuda.Event | None = None) -> None:
         """Make the caller's (compute) stream wait for ``event`` or the whole copy stream."""
         if self.stream is None:
             return
@@ -101,7 +101,7 @@ class HostBatch:
         self.stage_all = stage_all
         self._unflushed: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staged view, host dst)
         self._unmarked: list[StagingBuffer] = []
-        self._marked: list[tuple[StagingBuffer, object | None]] = []
+        self._marked: list[tuple[StagingBuffer, torch.cuda.Event | None]] = []
         self.staged_bytes = 0
 
     @property
@@ -138,14 +138,14 @@ class HostBatch:
         view.copy_(src)  # host memcpy into the pinned buffer, then DMA from it
         dst.copy_(view, non_blocking=True)
 
-    def mark(self) -> object | None:
+    def mark(self) -> torch.cuda.Event | None:
         """Record an event covering the copies queued so far; tag their staging buffers."""
         event = self.stream.record()
         self._marked.extend((buf, event) for buf in self._unmarked)
         self._unmarked.clear()
         return event
 
-    def complete(self, event: object | None = None) -> None:
+    def complete(self, event: torch.cuda.Event | None = None) -> None:
         """Wait for ``event`` (default: everything queued), then finish staged copies to
         the host and give every staging buffer back to the pool."""
         if event is None:

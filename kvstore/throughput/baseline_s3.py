@@ -42,18 +42,22 @@ class Baseline:
         )
 
     def _key(self, i: int) -> str:
-        assert self._options is not None
-        return self._options.key(f"bench-baseline/{i}")
+        return self._opened().key(f"bench-baseline/{i}")
+
+    def _opened(self) -> S3Options:
+        if self._options is None:
+            raise RuntimeError("open() the baseline first")
+        return self._options
 
     async def put(self, i: int, data: memoryview) -> None:
         # botocore takes bytes/bytearray bodies: hand over the underlying buffer when the
         # view covers all of it, else the plain client has to copy
         whole = isinstance(data.obj, (bytes, bytearray)) and data.nbytes == len(data.obj)
         body = data.obj if whole else data.tobytes()
-        await self._client.put_object(Bucket=self._options.bucket, Key=self._key(i), Body=body)
+        await self._client.put_object(Bucket=self._opened().bucket, Key=self._key(i), Body=body)
 
     async def get(self, i: int, into: memoryview) -> int:
-        resp = await self._client.get_object(Bucket=self._options.bucket, Key=self._key(i))
+        resp = await self._client.get_object(Bucket=self._opened().bucket, Key=self._key(i))
         body = await resp["Body"].read()
         into[: len(body)] = body
         return len(body)

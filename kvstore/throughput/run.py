@@ -124,7 +124,7 @@ async def run_bench(
     tensors = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(distinct)]
     for t in tensors:
         t.view(torch.int16).random_()
-    payloads = [memoryview(t.view(torch.uint8).reshape(-1).numpy()) for t in tensors]
+    payloads = [t.view(torch.uint8).reshape(-1).numpy().data for t in tensors]
     names = [f"bench/chunk-{os.getpid()}-{i}" for i in range(count)]
     tier = Tier(open_backend(url), "raw")
     baseline = baseline_for(url)
@@ -148,6 +148,7 @@ async def run_bench(
 
     async def ours_get(w: int, i: int) -> None:
         alloc = lambda n, w=w: buffers[w]  # noqa: E731
+        got: object
         if through == "tier":
             (got,) = await tier.get_many([names[i]], alloc=alloc)
         else:
