@@ -19,11 +19,13 @@ Must not touch: I/O, asyncio, clocks.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvstore.policy.base import NO_META, ChunkMeta, Policy, PolicyEvictor
 from kvstore.policy.belady import BeladyPolicy
 from kvstore.policy.chain import ChainPolicy
 from kvstore.policy.classic import ARCPolicy, LFUPolicy, LRUPolicy, WTinyLFUPolicy
-from kvstore.policy.engine import Move, Placement, TierState
+from kvstore.policy.engine import Copy, Drop, Move, Placement, PlacementCounters, TierState, Write, WriteMode
 from kvstore.policy.reuse import ReusePolicy
 
 DEFAULT_POLICY = "chain"
@@ -35,13 +37,13 @@ POLICIES: dict[str, type[Policy]] = {
 ONLINE_POLICIES = tuple(n for n, p in POLICIES.items() if not p.offline)
 
 
-def make_policy(name: str, capacity: int, **kwargs: object) -> Policy:
+def make_policy(name: str, capacity: int, **kwargs: Any) -> Policy:
     """A fresh policy by name; `belady` also needs ``future=`` (the reference sequence)."""
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(capacity, **kwargs)  # type: ignore[arg-type]
+    return cls(capacity, **kwargs)
 
 
 __all__ = [
@@ -50,10 +52,15 @@ __all__ = [
     "ONLINE_POLICIES",
     "POLICIES",
     "ChunkMeta",
+    "Copy",
+    "Drop",
     "Move",
     "Placement",
+    "PlacementCounters",
     "Policy",
     "PolicyEvictor",
     "TierState",
+    "Write",
+    "WriteMode",
     "make_policy",
 ]

@@ -10,7 +10,7 @@ exactly once (the single-tier simulator).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Container, Hashable, Sequence
+from collections.abc import Container, Sequence
 
 from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy, lazy_heap_top
 
@@ -21,10 +21,10 @@ class BeladyPolicy(Policy):
     name = "belady"
     offline = True
 
-    def __init__(self, capacity: int, future: Sequence[Hashable] = ()) -> None:
+    def __init__(self, capacity: int, future: Sequence[str] = ()) -> None:
         super().__init__(capacity)
         nxt: list[float] = [NEVER] * len(future)
-        last: dict[Hashable, int] = {}
+        last: dict[str, int] = {}
         for i in range(len(future) - 1, -1, -1):
             k = future[i]
             nxt[i] = last.get(k, NEVER)
@@ -32,12 +32,12 @@ class BeladyPolicy(Policy):
         self._future = future
         self._next = nxt
         self._pos = -1
-        self._due: dict[Hashable, float] = {}
-        self._heap: list[tuple[float, Hashable]] = []
-        self._sizes: dict[Hashable, int] = {}
+        self._due: dict[str, float] = {}
+        self._heap: list[tuple[float, str]] = []
+        self._sizes: dict[str, int] = {}
         self._used = 0
 
-    def _advance(self, key: Hashable) -> None:
+    def _advance(self, key: str) -> None:
         self._pos += 1
         if self._pos >= len(self._future) or self._future[self._pos] != key:
             raise RuntimeError("belady: the references differ from the future it was given")
@@ -55,7 +55,7 @@ class BeladyPolicy(Policy):
         far = self.victim()
         return far is not None and self._due[far] > due
 
-    def _set(self, key: Hashable) -> None:
+    def _set(self, key: str) -> None:
         due = self._next[self._pos]
         self._due[key] = due
         heapq.heappush(self._heap, (-due, key))

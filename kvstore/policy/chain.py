@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections.abc import Container
 
 from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy, lazy_heap_top
 
@@ -67,7 +67,7 @@ _REUSED = float(1 << 40)  # lifts reused chunks above any recency stamp
 class _Entry:
     __slots__ = ("cls", "cost", "dbucket", "hits", "kids", "parent", "prio", "size", "tail")
 
-    def __init__(self, size: int, parent: Hashable | None, meta: ChunkMeta, experts: int) -> None:
+    def __init__(self, size: int, parent: str | None, meta: ChunkMeta, experts: int) -> None:
         self.size = max(size, 1)
         self.parent = parent
         self.kids = 0
@@ -96,16 +96,16 @@ class ChainPolicy(Policy):
     def __init__(self, capacity: int, *, alphas: tuple[float, ...] | None = None) -> None:
         super().__init__(capacity)
         self.alphas = alphas or self.ALPHAS
-        self._e: dict[Hashable, _Entry] = {}
-        self._heaps: list[list[tuple[float, int, Hashable]]] = [[] for _ in self.alphas]
+        self._e: dict[str, _Entry] = {}
+        self._heaps: list[list[tuple[float, int, str]]] = [[] for _ in self.alphas]
         self._L = [0.0 for _ in self.alphas]
         # one shadow cache per expert when there is a choice to make
         self._shadows = [_Shadow(capacity, a) for a in self.alphas] if len(self.alphas) > 1 else []
         self.expert = 0
         self._seq = 0
         self._now = 0
-        self._ghosts: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # key -> (class, hits)
-        self._returning: tuple[Hashable, int] | None = None
+        self._ghosts: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (class, hits)
+        self._returning: tuple[str, int] | None = None
         self._shadow_refs = 0
         # one pseudo-entry per class at probability 1/4 keeps early estimates finite and equal
         self._entered = [1.0] * _NCLASS
@@ -117,7 +117,7 @@ class ChainPolicy(Policy):
         """Estimated chance that a chunk of class `cls` is referenced again."""
         return self._reused[cls] / self._entered[cls]
 
-    def _classify(self, key: Hashable, e: _Entry) -> None:
+    def _classify(self, key: str, e: _Entry) -> None:
         self._entered[e.cls] += 1
         self._events += 1
         if self._events > self.WINDOW * max(len(self._e), 64):
@@ -133,13 +133,13 @@ class ChainPolicy(Policy):
                 e.prio[k] = self._now + _REUSED * min(e.hits, self.LEVELS - 1)
             heapq.heappush(self._heaps[k], (e.prio[k], self._seq, key))
 
-    def _push(self, key: Hashable, e: _Entry) -> None:
+    def _push(self, key: str, e: _Entry) -> None:
         self._seq += 1
         for k in range(len(self.alphas)):
             heapq.heappush(self._heaps[k], (e.prio[k], self._seq, key))
 
     # -- policy protocol -----------------------------------------------------------------
-    def miss(self, key: Hashable, meta: ChunkMeta = NO_META) -> None:
+    def miss(self, key: str, meta: ChunkMeta = NO_META) -> None:
         self._now += 1
         ghost = self._ghosts.pop(key, None)
         if ghost is None:
@@ -148,7 +148,7 @@ class ChainPolicy(Policy):
         self._reused[cls] += 1
         self._returning = (key, hits + 1)
 
-    def insert(self, key: Hashable, size: int, meta: ChunkMeta = NO_META) -> None:
+    def insert(self, key: str, size: int, meta: ChunkMeta = NO_META) -> None:
         if key in self._e:
             self.remove(key)
         parent = meta.parent
@@ -168,7 +168,7 @@ class ChainPolicy(Policy):
         if self._shadows:
             self._observe(key, meta, e.size)
 
-    def _observe(self, key: Hashable, meta: ChunkMeta, size: int) -> None:
+    def _observe(self, key: str, meta: ChunkMeta, size: int) -> None:
         """Replay a reference in every shadow; follow the expert whose shadow hits most."""
         for sh in self._shadows:
             sh.reference(key, meta, size)
@@ -183,7 +183,7 @@ class ChainPolicy(Policy):
                 best = k
         self.expert = best
 
-    def touch(self, key: Hashable, meta: ChunkMeta = NO_META) -> None:
+    def touch(self, key: str, meta: ChunkMeta = NO_META) -> None:
         self._now += 1
         e = self._e.get(key)
         if e is None:
@@ -196,7 +196,7 @@ class ChainPolicy(Policy):
         if self._shadows:
             self._observe(key, meta, e.size)
 
-    def remove(self, key: Hashable, evicted: bool = False) -> None:
+    def remove(self, key: str, evicted: bool = False) -> None:
         e = self._e.pop(key, None)
         if e is None:
             return
@@ -216,7 +216,7 @@ class ChainPolicy(Policy):
                 if pe.kids == 0:
                     self._push(e.parent, pe)
 
-    def _best_leaf(self, k: int, protected: Container) -> Hashable | None:
+    def _best_leaf(self, k: int, protected: Container) -> str | None:
         heap = self._heaps[k]
         entries = self._e
 
@@ -230,7 +230,7 @@ class ChainPolicy(Policy):
             self._compact(k)
         return found
 
-    def victim(self, protected: Container = NOTHING) -> Hashable | None:
+    def victim(self, protected: Container = NOTHING) -> str | None:
         found = self._best_leaf(self.expert, protected)
         if found is None:  # every leaf protected: any unprotected resident
             for key in self._e:
@@ -261,11 +261,11 @@ class _Shadow:
 
     def __init__(self, capacity: int, alpha: float) -> None:
         self.policy = ChainPolicy(capacity, alphas=(alpha,))
-        self.sizes: dict[Hashable, int] = {}
+        self.sizes: dict[str, int] = {}
         self.used = 0
         self.score = 0.0
 
-    def reference(self, key: Hashable, meta: ChunkMeta, size: int) -> None:
+    def reference(self, key: str, meta: ChunkMeta, size: int) -> None:
         pol = self.policy
         if key in self.sizes:
             self.score += 1

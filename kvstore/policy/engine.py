@@ -4,7 +4,7 @@ Owns: per-tier residency and byte accounting (`TierState`), the multi-tier rules
 (`Placement`): stores land in the top tier (and in every write-through tier), a hit in a
 lower tier is promoted to the top, a victim is demoted into the next tier instead of
 dropped when that tier admits it, watermarks bound each tier.  Decisions are returned as
-`Move` values; nothing here does I/O, so `kvstore.tiered.TieredStore` (live) and
+typed moves (`Write`, `Copy`, `Drop`; `Move` is their union); nothing here does I/O, so `kvstore.tiered.TieredStore` (live) and
 `kvstore.policy.simulate` (trace replay) run exactly the same bookkeeping.
 
 Must not touch: backends, asyncio, clocks.
@@ -16,33 +16,53 @@ moves and keeps the source readable until each copy has landed.
 
 from __future__ import annotations
 
-from collections.abc import Container, Hashable
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal, Union
 
 from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
 
-MoveKind = Literal["write", "promote", "demote", "drop"]
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """The caller's data for `key` goes to tier `dst` (a store)."""
+
+    key: str
+    size: int
+    dst: int
+    kind: ClassVar[str] = "write"
 
 
 @dataclass(frozen=True, slots=True)
-class Move:
-    """One copy or deletion to carry out.
+class Copy:
+    """Copy `key` from tier `src` to tier `dst`: a promotion (the source copy stays) or a
+    demotion (the source copy is deleted once the copy has landed)."""
 
-    write: the caller's data goes to tier `dst`.  promote/demote: copy `key` from `src`
-    to `dst` (the source copy of a demotion is then deleted; a promotion keeps it).
-    drop: delete `key` from tier `src`.
-    """
-
-    kind: MoveKind
-    key: Hashable
+    kind: Literal["promote", "demote"]
+    key: str
     size: int
-    src: int | None = None
-    dst: int | None = None
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """Delete `key` from tier `src`."""
+
+    key: str
+    size: int
+    src: int
+    kind: ClassVar[str] = "drop"
+
+
+Move = Union[Write, Copy, Drop]
+WriteMode = Literal["back", "through"]
 
 
 @dataclass
-class TierCounters:
+class PlacementCounters:
+    """What the engine decided for one tier (the simulator reports these)."""
+
     hits: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -66,12 +86,12 @@ class TierState:
     capacity: int
     policy: Policy
     name: str = ""
-    write: Literal["back", "through"] = "back"
+    write: WriteMode = "back"
     high: float = 1.0
     low: float = 1.0
-    resident: dict = field(default_factory=dict)
+    resident: dict[str, int] = field(default_factory=dict)
     used: int = 0
-    counters: TierCounters = field(default_factory=TierCounters)
+    counters: PlacementCounters = field(default_factory=PlacementCounters)
 
     def __post_init__(self) -> None:
         if not 0 < self.low <= self.high <= 1.0:
@@ -84,7 +104,7 @@ class TierState:
     def __contains__(self, key: object) -> bool:
         return key in self.resident
 
-    def make_room(self, size: int, protected: Container = NOTHING) -> tuple[list[tuple[Hashable, int]], bool]:
+    def make_room(self, size: int, protected: Container[str] = NOTHING) -> tuple[list[tuple[str, int]], bool]:
         """Evict for a write of `size`: (victims, already removed; whether it now fits)."""
         cap = self.capacity
         if size > cap:
@@ -92,7 +112,7 @@ class TierState:
         if self.used + size <= self.high * cap:
             return [], True
         target = self.low * cap - size
-        victims: list[tuple[Hashable, int]] = []
+        victims: list[tuple[str, int]] = []
         while self.used > target:
             key = self.policy.victim(protected)
             if key is None:
@@ -100,15 +120,15 @@ class TierState:
             victims.append((key, self.take(key, evicted=True)))
         return victims, self.used + size <= cap
 
-    def add(self, key: Hashable, size: int, meta: ChunkMeta) -> None:
+    def add(self, key: str, size: int, meta: ChunkMeta) -> None:
         self.resident[key] = size
         self.used += size
-        self.policy.insert(key, size, meta)  # type: ignore[arg-type]
+        self.policy.insert(key, size, meta)
 
-    def take(self, key: Hashable, evicted: bool = False) -> int:
+    def take(self, key: str, evicted: bool = False) -> int:
         size = self.resident.pop(key)
         self.used -= size
-        self.policy.remove(key, evicted=evicted)  # type: ignore[arg-type]
+        self.policy.remove(key, evicted=evicted)
         if evicted:
             self.counters.evictions += 1
         return size
@@ -122,16 +142,16 @@ class Placement:
             raise ValueError("a placement needs at least one tier")
         self.tiers = tiers
         self.promote = promote
-        self.meta: dict = {}  # ChunkMeta of every key held in some tier
+        self.meta: dict[str, ChunkMeta] = {}  # ChunkMeta of every key held in some tier
 
-    def where(self, key: Hashable) -> int | None:
+    def where(self, key: str) -> int | None:
         """The highest tier holding `key`, or None."""
         for i, t in enumerate(self.tiers):
             if key in t.resident:
                 return i
         return None
 
-    def prefix(self, keys: list) -> int:
+    def prefix(self, keys: Sequence[str]) -> int:
         """How many leading `keys` are held in some tier (no policy state changes)."""
         n = 0
         tiers = self.tiers
@@ -144,7 +164,7 @@ class Placement:
             n += 1
         return n
 
-    def hit(self, key: Hashable, meta: ChunkMeta = NO_META, protected: Container = NOTHING) -> list[Move]:
+    def hit(self, key: str, meta: ChunkMeta = NO_META, protected: Container[str] = NOTHING) -> list[Move]:
         """`key` was read: touch it where it lives; promote it to the top tier if lower."""
         i = self.where(key)
         if i is None:
@@ -152,24 +172,24 @@ class Placement:
         if meta is NO_META:
             meta = self.meta.get(key, NO_META)
         tier = self.tiers[i]
-        tier.policy.touch(key, meta)  # type: ignore[arg-type]
+        tier.policy.touch(key, meta)
         size = tier.resident[key]
         tier.counters.hits += 1
         tier.counters.bytes_read += size
         for t in self.tiers[:i]:
-            t.policy.miss(key, meta)  # type: ignore[arg-type]
+            t.policy.miss(key, meta)
         if i == 0 or not self.promote:
             return []
         moves: list[Move] = []
         top = self.tiers[0]
         # the data is read once: the promotion writes what the hit read
-        if top.policy.admit(key, size, meta) and self._place(0, key, size, meta, protected, moves):  # type: ignore[arg-type]
+        if top.policy.admit(key, size, meta) and self._place(0, key, size, meta, protected, moves):
             top.counters.promotions_in += 1
-            moves.insert(0, Move("promote", key, size, i, 0))
+            moves.insert(0, Copy("promote", key, size, i, 0))
         return moves
 
     def store(
-        self, key: Hashable, size: int, meta: ChunkMeta = NO_META, protected: Container = NOTHING
+        self, key: str, size: int, meta: ChunkMeta = NO_META, protected: Container[str] = NOTHING
     ) -> list[Move]:
         """A write of `key`: land it in the top tier and every write-through tier.
 
@@ -177,23 +197,23 @@ class Placement:
         """
         i = self.where(key)
         if i is not None:
-            self.tiers[i].policy.touch(key, meta)  # type: ignore[arg-type]
+            self.tiers[i].policy.touch(key, meta)
             return []
         moves: list[Move] = []
         for j, tier in enumerate(self.tiers):
             if j and tier.write != "through":
                 continue
-            tier.policy.miss(key, meta)  # type: ignore[arg-type]
-            if not tier.policy.admit(key, size, meta):  # type: ignore[arg-type]
+            tier.policy.miss(key, meta)
+            if not tier.policy.admit(key, size, meta):
                 tier.counters.rejected += 1
                 continue
             at = len(moves)
             if self._place(j, key, size, meta, protected, moves):
-                moves.insert(at, Move("write", key, size, None, j))
+                moves.insert(at, Write(key, size, j))
         return moves
 
     def _place(
-        self, j: int, key: Hashable, size: int, meta: ChunkMeta, protected: Container, moves: list[Move]
+        self, j: int, key: str, size: int, meta: ChunkMeta, protected: Container[str], moves: list[Move]
     ) -> bool:
         tier = self.tiers[j]
         victims, ok = tier.make_room(size, protected)
@@ -209,24 +229,24 @@ class Placement:
         tier.counters.bytes_written += size
         return True
 
-    def _demote(self, j: int, key: Hashable, size: int, protected: Container, moves: list[Move]) -> None:
+    def _demote(self, j: int, key: str, size: int, protected: Container[str], moves: list[Move]) -> None:
         """Tier `j` evicted `key`: hand it to the next tier if that admits it, else drop it."""
         nxt = j + 1
         if self.where(key) is None:
             meta = self.meta.get(key, NO_META)
             if nxt < len(self.tiers):
                 below = self.tiers[nxt]
-                below.policy.miss(key, meta)  # type: ignore[arg-type]
-                if below.policy.admit(key, size, meta):  # type: ignore[arg-type]
+                below.policy.miss(key, meta)
+                if below.policy.admit(key, size, meta):
                     at = len(moves)
                     if self._place(nxt, key, size, meta, protected, moves):
                         below.counters.demotions_in += 1
-                        moves.insert(at, Move("demote", key, size, j, nxt))
+                        moves.insert(at, Copy("demote", key, size, j, nxt))
                         return
             self.meta.pop(key, None)
-        moves.append(Move("drop", key, size, j, None))
+        moves.append(Drop(key, size, j))
 
-    def adopt(self, key: Hashable, j: int, size: int, protected: Container = NOTHING) -> list[Move]:
+    def adopt(self, key: str, j: int, size: int, protected: Container[str] = NOTHING) -> list[Move]:
         """`key` was found already stored in tier `j` (written by another process or an
         earlier run): count it there, evicting for room like a write would.  No write
         move is returned (the bytes are there); if it does not fit, it is dropped."""
@@ -241,14 +261,14 @@ class Placement:
             tier.add(key, size, NO_META)
         else:
             tier.counters.rejected += 1
-            moves.append(Move("drop", key, size, j, None))
+            moves.append(Drop(key, size, j))
         return moves
 
-    def holders(self, key: Hashable) -> list[int]:
+    def holders(self, key: str) -> list[int]:
         """Every tier holding `key`, top first."""
         return [i for i, t in enumerate(self.tiers) if key in t.resident]
 
-    def forget(self, key: Hashable, tier: int) -> None:
+    def forget(self, key: str, tier: int) -> None:
         """Undo a placement in `tier` whose copy never landed (a failed write or move)."""
         t = self.tiers[tier]
         if key in t.resident:
@@ -256,12 +276,12 @@ class Placement:
         if self.where(key) is None:
             self.meta.pop(key, None)
 
-    def delete(self, key: Hashable) -> list[Move]:
+    def delete(self, key: str) -> list[Move]:
         """Remove `key` from every tier (no ghost entries)."""
-        moves = []
+        moves: list[Move] = []
         for j, t in enumerate(self.tiers):
             if key in t.resident:
                 size = t.take(key)
-                moves.append(Move("drop", key, size, j, None))
+                moves.append(Drop(key, size, j))
         self.meta.pop(key, None)
         return moves

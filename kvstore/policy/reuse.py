@@ -39,7 +39,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections.abc import Container
 
 from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy, lazy_heap_top
 
@@ -73,7 +73,7 @@ _NCLASS = _HITS * 2
 class _Entry:
     __slots__ = ("cls", "hits", "kids", "last", "parent", "size", "tail")
 
-    def __init__(self, size: int, parent: Hashable | None, tail: bool, hits: int, now: int):
+    def __init__(self, size: int, parent: str | None, tail: bool, hits: int, now: int):
         self.size = max(size, 1)
         self.parent = parent
         self.kids = 0
@@ -99,15 +99,15 @@ class ReusePolicy(Policy):
         super().__init__(capacity)
         self.ghosts_factor = ghosts or self.GHOSTS
         self.window = window or self.WINDOW
-        self._e: dict[Hashable, _Entry] = {}
+        self._e: dict[str, _Entry] = {}
         self._bytes = 0
         self._now = 0
         self._seq = 0
-        self._heaps: list[list[tuple[int, int, Hashable]]] = [[] for _ in range(_NCLASS)]
+        self._heaps: list[list[tuple[int, int, str]]] = [[] for _ in range(_NCLASS)]
         # key -> (last reference, class, hits) for keys not resident
-        self._ghosts: OrderedDict[Hashable, tuple[int, int, int]] = OrderedDict()
-        self._returning: tuple[Hashable, int] | None = None  # key, hits
-        self._refused: Hashable | None = None
+        self._ghosts: OrderedDict[str, tuple[int, int, int]] = OrderedDict()
+        self._returning: tuple[str, int] | None = None  # key, hits
+        self._refused: str | None = None
         self._reuse = [[0.0] * _NB for _ in range(_NCLASS)]
         self._end = [[0.0] * _NB for _ in range(_NCLASS)]
         self._events = 0
@@ -149,13 +149,13 @@ class ReusePolicy(Policy):
         k = 1.0 / pool_n if pool_n else 0.0
         for c in range(_NCLASS):
             r = [self._reuse[c][b] + k * pool_r[b] for b in range(_NB)]
-            e = [self._end[c][b] + live[c][b] + k * pool_e[b] for b in range(_NB)]
+            ends = [self._end[c][b] + live[c][b] + k * pool_e[b] for b in range(_NB)]
             # items reaching each bucket, and the space-time they spend in it
             n = [0.0] * (_NB + 1)
             for b in range(_NB - 1, -1, -1):
-                n[b] = n[b + 1] + r[b] + e[b]
-            st = [(n[b] - (r[b] + e[b]) / 2) * _WIDTH[b] for b in range(_NB)]
-            top = max((b for b in range(_NB) if r[b] + e[b] > 0), default=-1)
+                n[b] = n[b + 1] + r[b] + ends[b]
+            st = [(n[b] - (r[b] + ends[b]) / 2) * _WIDTH[b] for b in range(_NB)]
+            top = max((b for b in range(_NB) if r[b] + ends[b] > 0), default=-1)
             rank = self._rank[c]
             for a in range(_NB):
                 best = 0.0
@@ -169,7 +169,7 @@ class ReusePolicy(Policy):
                 rank[a] = best
 
     # -- protocol ------------------------------------------------------------------------
-    def miss(self, key: Hashable, meta: ChunkMeta = NO_META) -> None:
+    def miss(self, key: str, meta: ChunkMeta = NO_META) -> None:
         self._now += 1
         g = self._ghosts.pop(key, None)
         if g is None:
@@ -180,14 +180,14 @@ class ReusePolicy(Policy):
         self._event()
         self._returning = (key, hits + 1)
 
-    def _new_entry(self, key: Hashable, size: int, meta: ChunkMeta) -> _Entry:
+    def _new_entry(self, key: str, size: int, meta: ChunkMeta) -> _Entry:
         parent = meta.parent
         pe = self._e.get(parent) if parent is not None else None
         if self._returning is not None and self._returning[0] == key:
             return _Entry(size, parent if pe else None, False, self._returning[1], self._now)
         return _Entry(size, parent if pe else None, meta.tail, 0, self._now)
 
-    def admit(self, key: Hashable, size: int, meta: ChunkMeta = NO_META) -> bool:
+    def admit(self, key: str, size: int, meta: ChunkMeta = NO_META) -> bool:
         if meta.parent is not None and meta.parent == self._refused:
             self._refuse(key, size, meta)
             return False
@@ -200,12 +200,12 @@ class ReusePolicy(Policy):
             return False
         return True
 
-    def _refuse(self, key: Hashable, size: int, meta: ChunkMeta, e: _Entry | None = None) -> None:
+    def _refuse(self, key: str, size: int, meta: ChunkMeta, e: _Entry | None = None) -> None:
         e = e or self._new_entry(key, size, meta)
         self._refused = key
         self._ghost(key, e)
 
-    def _ghost(self, key: Hashable, e: _Entry) -> None:
+    def _ghost(self, key: str, e: _Entry) -> None:
         ghosts = self._ghosts
         ghosts[key] = (e.last, e.cls, e.hits)
         limit = self.ghosts_factor * max(self.capacity // max(self._avg_size(), 1), 64)
@@ -217,7 +217,7 @@ class ReusePolicy(Policy):
     def _avg_size(self) -> int:
         return self._bytes // len(self._e) if self._e else 1
 
-    def insert(self, key: Hashable, size: int, meta: ChunkMeta = NO_META) -> None:
+    def insert(self, key: str, size: int, meta: ChunkMeta = NO_META) -> None:
         if key in self._e:
             self.remove(key)
         e = self._new_entry(key, size, meta)
@@ -230,7 +230,7 @@ class ReusePolicy(Policy):
             self._e[e.parent].kids += 1
         self._push(key, e)
 
-    def _push(self, key: Hashable, e: _Entry) -> None:
+    def _push(self, key: str, e: _Entry) -> None:
         self._seq += 1
         heapq.heappush(self._heaps[e.cls], (e.last, self._seq, key))
         self._pushed += 1
@@ -239,7 +239,7 @@ class ReusePolicy(Policy):
 
     def _compact(self) -> None:
         """Drop stale heap entries: rebuild every class heap from the current leaves."""
-        heaps: list[list[tuple[int, int, Hashable]]] = [[] for _ in range(_NCLASS)]
+        heaps: list[list[tuple[int, int, str]]] = [[] for _ in range(_NCLASS)]
         for i, (key, e) in enumerate(self._e.items()):
             if not e.kids:
                 heaps[e.cls].append((e.last, i, key))
@@ -249,7 +249,7 @@ class ReusePolicy(Policy):
         self._seq = len(self._e)
         self._pushed = len(self._e)
 
-    def touch(self, key: Hashable, meta: ChunkMeta = NO_META) -> None:
+    def touch(self, key: str, meta: ChunkMeta = NO_META) -> None:
         self._now += 1
         e = self._e.get(key)
         if e is None:
@@ -263,7 +263,7 @@ class ReusePolicy(Policy):
         if not e.kids:
             self._push(key, e)
 
-    def remove(self, key: Hashable, evicted: bool = False) -> None:
+    def remove(self, key: str, evicted: bool = False) -> None:
         e = self._e.pop(key, None)
         if e is None:
             return
@@ -277,7 +277,7 @@ class ReusePolicy(Policy):
                 if pe.kids == 0:
                     self._push(e.parent, pe)
 
-    def _head(self, c: int, protected: Container) -> tuple[int, Hashable] | None:
+    def _head(self, c: int, protected: Container) -> tuple[int, str] | None:
         entries = self._e
 
         def live(item: tuple) -> bool:
@@ -287,7 +287,7 @@ class ReusePolicy(Policy):
         top = lazy_heap_top(self._heaps[c], live, protected)
         return None if top is None else (top[0], top[2])
 
-    def _lowest(self, protected: Container = NOTHING) -> tuple[float, int, Hashable] | None:
+    def _lowest(self, protected: Container = NOTHING) -> tuple[float, int, str] | None:
         best = None
         now = self._now
         entries = self._e
@@ -301,7 +301,7 @@ class ReusePolicy(Policy):
                 best = (r, last, key)
         return best
 
-    def victim(self, protected: Container = NOTHING) -> Hashable | None:
+    def victim(self, protected: Container = NOTHING) -> str | None:
         best = self._lowest(protected)
         if best is not None:
             return best[2]

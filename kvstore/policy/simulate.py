@@ -18,11 +18,12 @@ predecessor (e.g. rolling-hash keys with no preceding lookup).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvstore.policy import DEFAULT_POLICY, ChunkMeta, make_policy
 from kvstore.policy.base import NO_META
-from kvstore.policy.engine import Placement, TierState
+from kvstore.policy.engine import Placement, TierState, WriteMode
 from kvstore.policy.trace import BLOCK_TOKENS, Request, distinct_blocks
 
 GB = 1e9
@@ -36,7 +37,7 @@ class TierModel:
     policy: str = DEFAULT_POLICY
     name: str = ""
     bandwidth: float = 10 * GB
-    write: str = "back"
+    write: WriteMode = "back"
     high: float = 1.0
     low: float = 1.0
 
@@ -77,7 +78,12 @@ class SimResult:
         return asdict(self)
 
 
-def chain_meta(keys: tuple, i: int) -> ChunkMeta:
+def block_keys(r: Request) -> list[str]:
+    """The engine's keys (object names are strings) for a request's block ids."""
+    return [str(b) for b in r.hash_ids]
+
+
+def chain_meta(keys: Sequence[str], i: int) -> ChunkMeta:
     """Metadata of the i-th block of a request: its depth and its parent in the chain."""
     return ChunkMeta(depth=i, parent=keys[i - 1] if i else None, tail=i == len(keys) - 1)
 
@@ -91,13 +97,13 @@ def build_placement(
         if t.policy == "belady":
             if len(tiers) != 1 or requests is None:
                 raise ValueError("belady is an offline reference for one tier only")
-            kwargs["future"] = [k for r in requests for k in r.hash_ids]
+            kwargs["future"] = [k for r in requests for k in block_keys(r)]
         states.append(
             TierState(
                 capacity=t.capacity,
                 policy=make_policy(t.policy, t.capacity, **kwargs),
                 name=t.name or f"tier{i}",
-                write=t.write,  # type: ignore[arg-type]
+                write=t.write,
                 high=t.high,
                 low=t.low,
             )
@@ -116,7 +122,7 @@ def replay(placement: Placement, requests: list[Request], block_bytes: int = 1, 
     hit = placement.hit
     store = placement.store
     for r in requests:
-        keys = r.hash_ids
+        keys = block_keys(r)
         n = prefix(keys)
         hits += n
         for i in range(n):

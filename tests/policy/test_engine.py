@@ -6,7 +6,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore.policy import ONLINE_POLICIES, ChunkMeta, Move, Placement, TierState, make_policy
+from kvstore.policy import (
+    ONLINE_POLICIES,
+    ChunkMeta,
+    Copy,
+    Drop,
+    Move,
+    Placement,
+    TierState,
+    Write,
+    make_policy,
+)
 
 KEYS = [f"k{i}" for i in range(24)]
 
@@ -20,13 +30,15 @@ op = st.one_of(
 def apply(physical: list[set[str]], moves: list[Move]) -> None:
     """What a store does with the moves: the physical contents of each tier."""
     for m in moves:
-        if m.kind in ("write", "promote"):
-            physical[m.dst].add(m.key)  # type: ignore[index, arg-type]
-        elif m.kind == "demote":
-            physical[m.dst].add(m.key)  # type: ignore[index, arg-type]
-            physical[m.src].discard(m.key)  # type: ignore[index, arg-type]
+        if isinstance(m, Write):
+            physical[m.dst].add(m.key)
+        elif isinstance(m, Copy):
+            physical[m.dst].add(m.key)
+            if m.kind == "demote":
+                physical[m.src].discard(m.key)
         else:
-            physical[m.src].discard(m.key)  # type: ignore[index, arg-type]
+            assert isinstance(m, Drop)
+            physical[m.src].discard(m.key)
 
 
 SELECTIVE_ADMISSION = {"reuse"}
@@ -88,10 +100,10 @@ def test_hit_in_a_lower_tier_is_promoted_and_the_lower_copy_kept() -> None:
         pl.store(k, 1)
     assert pl.where("a") == 1
     moves = pl.hit("a")
-    assert moves[0] == Move("promote", "a", 1, 1, 0)
+    assert moves[0] == Copy("promote", "a", 1, 1, 0)
     assert pl.holders("a") == [0, 1]
     # b was the top tier's LRU: demoted to make room
-    assert Move("demote", "b", 1, 0, 1) in moves
+    assert Copy("demote", "b", 1, 0, 1) in moves
 
 
 def test_write_through_lands_in_both_tiers_and_victims_of_the_top_are_just_dropped() -> None:
