@@ -26,6 +26,9 @@ Primitives (all batched; one call moves many objects):
   without being asked (a byte budget, a TTL, a server's eviction policy), each naming
   the setting and its fix; empty (the default) when what is written stays until deleted.
 * ``stats() -> BackendStats``, ``close()``.
+* ``capabilities`` (a `Capabilities`): what a backend can do beyond the primitives,
+  declared by each backend class, so callers never sniff URLs or attributes.  A backend
+  with ``streamed_reads`` implements ``read_streamed`` (see `kvstore.backends.stream`).
 
 Faults (server down, disk full, permission denied) are counted in `stats()` and turned
 into False / None; only programming errors (bad arguments) raise.  A fault of one
@@ -47,6 +50,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, Union
 
+from kvstore.backends.stream import StreamSink
 from kvstore.keys import printable_name
 from kvstore.options import option_size
 from kvstore.redact import redact_url
@@ -127,6 +131,28 @@ class BackendStats:
         return asdict(self)
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """Optional abilities a backend declares (class attribute `Backend.capabilities`).
+
+    streamed_reads: implements ``read_streamed(names, open_sink)``: an object's bytes land
+        where its sink says, block by block (`kvstore.backends.stream`).
+    streams_on_loop: its ``read_streamed`` writes into the caller's buffers only from the
+        event loop, so cancelling the read stops those writes at once (worker threads,
+        as the disk backend's, finish their block first).
+    in_memory: objects live in this process; reads hand back views of them (zero copy),
+        so reading into pooled buffers gains nothing.
+    ranged_reads: ``read_heads`` reads only the first bytes of an object.
+    server_ttl: the server can expire objects by itself (a TTL option).
+    """
+
+    streamed_reads: bool = False
+    streams_on_loop: bool = False
+    in_memory: bool = False
+    ranged_reads: bool = False
+    server_ttl: bool = False
+
+
 DEFAULT_MAX_OBJECT = 1 << 30
 MAX_OBJECT_OPTION = "max_object_size"
 
@@ -135,6 +161,7 @@ class Backend(abc.ABC):
     """An async, batched object store of bytes.  See the module docstring."""
 
     schemes: ClassVar[tuple[str, ...]] = ()
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -189,6 +216,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]: ...
+
+    async def read_streamed(
+        self, names: Sequence[str], open_sink: Callable[[str], StreamSink]
+    ) -> builtins.list[object | None]:
+        """Stream each object into the sink ``open_sink(name)`` gives; the sinks' verdicts,
+        None for a miss (see `kvstore.backends.stream`).  Only for backends whose
+        `capabilities` declare ``streamed_reads``."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream reads")
 
     async def quarantine(self, name: str, reason: str) -> None:
         """Take a corrupt object out of service.  Backends with a side area override."""

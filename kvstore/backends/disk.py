@@ -68,6 +68,7 @@ from kvstore.backends.base import (
     Backend,
     BackendStats,
     BackendUnavailableError,
+    Capabilities,
     ObjectInfo,
     Value,
     as_parts,
@@ -260,6 +261,7 @@ FLUSH_N = 256  # ...or until this many have gathered
 
 class DiskBackend(Backend):
     schemes = ("file",)
+    capabilities = Capabilities(streamed_reads=True, ranged_reads=True)
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ from kvstore.backends.base import (
     Alloc,
     Backend,
     BackendStats,
+    Capabilities,
     ObjectInfo,
     Value,
     as_parts,
@@ -41,6 +42,7 @@ _SHARED: dict[str, _Space] = {}
 
 class MemoryBackend(Backend):
     schemes = ("mem",)
+    capabilities = Capabilities(in_memory=True)
 
     def __init__(
         self, url: str = "mem://", capacity: int | None = None, evictor: Evictor | None = None

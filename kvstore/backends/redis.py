@@ -55,6 +55,7 @@ from kvstore.backends.base import (
     Backend,
     BackendStats,
     BackendUnavailableError,
+    Capabilities,
     ObjectInfo,
     Value,
     as_parts,
@@ -192,7 +193,7 @@ class RedisBackend(Backend):
     schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
     #: `read_streamed` writes into the caller's buffers only from the event loop, so
     #: cancelling it stops those writes at once (the disk backend's worker threads do not)
-    streams_on_loop = True
+    capabilities = Capabilities(streamed_reads=True, streams_on_loop=True, server_ttl=True)
 
     def __init__(
         self, url: str, client: Any, options: RedisOptions | None = None, streams: RespStreams | None = None

@@ -50,6 +50,7 @@ from kvstore.backends.base import (
     Backend,
     BackendStats,
     BackendUnavailableError,
+    Capabilities,
     ObjectInfo,
     Value,
     as_parts,
@@ -154,6 +155,7 @@ class S3Backend(Backend):
     """Objects under ``prefix/`` in one bucket; see the module docstring."""
 
     schemes = ("s3",)
+    capabilities = Capabilities(ranged_reads=True)
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
         super().__init__(url)
