@@ -1,0 +1,193 @@
+"""Where a page-cache-warm load spends its time, layer by layer, in one run.
+
+The same chunks (default: 8 chunks of 32 layers x 8 heads x 128, bf16, 32 MiB each) are
+loaded into the same preallocated destination tensors through each layer of the stack,
+from the bottom up, in interleaved rounds (the order rotates each round):
+
+    copy        torch copy of the bytes from memory into the destination (the floor)
+    preadv      one ``os.preadv`` per chunk from a page-cache-warm file (what LMCache's
+                ``fs`` adapter does: no check)
+    preadv+crc  the same file read in 256 KiB blocks, CRC32C fed each block while it is
+                in cache (what a verified read must do at the least)
+    mem tier    ``Tier(mem://).get_many``: frame, key and CRC checked, copy out
+    disk tier   ``Tier(file://).get_many``: the disk backend's streamed, verified read
+    store       ``TieredStore([file://]).get_many``: + lookup, tier deadline and breaker,
+                policy bookkeeping
+    L2 adapter  kvstore's MP-mode adapter driven as LMCache's server drives it
+                (``SyncL2``: lookup-and-lock task, load task, event fds, the runtime's
+                loop thread), over the same ``file://`` store
+
+Each stage prints GB/s (min / median / max over rounds) and the median time per chunk;
+the differences between adjacent stages are what that layer costs.  The first round
+checks that every stage loaded the bytes stored.
+
+Usage:
+    python benchmarks/bench_breakdown.py [--rounds 7] [--chunks 8] [--shape smollm2] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import crc32c
+import torch
+
+SHAPES = {
+    "llama8b": (2, 32, 256, 8 * 128),
+    "smollm2": (2, 30, 256, 3 * 64),
+}
+BLOCK = 256 << 10
+GB = 1e9
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f} / {median(xs):.2f} / {max(xs):.2f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    from benchmarks.bench_l2 import build_adapter, kvstore_spec
+    from kvstore.tier import Tier
+    from kvstore.tiered import TieredStore
+    from kvstore_lmcache.keymap import mp_object_name
+    from kvstore_lmcache.l2_sync import SyncL2, object_key
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(SHAPES[args.shape], generator=g).to(torch.bfloat16) for _ in range(args.chunks)]
+    dst = [torch.empty_like(t) for t in data]
+    raw = [t.view(torch.uint8).reshape(-1) for t in data]
+    views = [d.view(torch.uint8).reshape(-1) for d in dst]
+    nbytes = sum(t.nbytes for t in data)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-breakdown-"))
+    root.mkdir(parents=True, exist_ok=True)
+    loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
+
+    # plain files of the same bytes
+    paths = []
+    for i, t in enumerate(raw):
+        path = root / f"plain-{i}"
+        path.write_bytes(t.numpy().tobytes())
+        paths.append(path)
+
+    def copy() -> None:
+        for s, d in zip(raw, views):
+            d.copy_(s)
+
+    def preadv() -> None:
+        for path, d in zip(paths, views):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.preadv(fd, [d.numpy().data], 0)
+            finally:
+                os.close(fd)
+
+    def preadv_crc() -> None:
+        for path, d in zip(paths, views):
+            mv = d.numpy().data
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                c = 0
+                for start in range(0, len(mv), BLOCK):
+                    b = mv[start : start + BLOCK]
+                    os.preadv(fd, [b], start)
+                    c = crc32c.crc32c(b, c)
+            finally:
+                os.close(fd)
+
+    names = [f"breakdown/chunk-{i}" for i in range(len(data))]
+    mem = Tier.open(f"mem://breakdown-{os.getpid()}")
+    disk = Tier.open(f"file://{root / 'tier'}")
+    run(mem.put_many(list(zip(names, data))))
+    run(disk.put_many(list(zip(names, data))))
+
+    def tier_get(tier: Tier) -> Callable[[], None]:
+        def go() -> None:
+            got = run(tier.get_many(names, out=dst))
+            assert all(x is not None for x in got), "tier read missed"
+
+        return go
+
+    store = TieredStore.from_urls([f"file://{root / 'store'}"])
+    ok = run(store.put_many(list(zip(names, data))))
+    assert all(ok), "store put failed"
+    run(store.drain())
+
+    def store_get() -> None:
+        got = run(store.get_many(names, out=dst))
+        assert all(x is not None for x in got), "store read missed"
+
+    adapter = build_adapter(kvstore_spec([f"file://{root / 'l2'}"]))
+    l2 = SyncL2(adapter, timeout_s=300)
+    keys = [object_key(i) for i in range(len(data))]
+    assert l2.store(keys, data), "adapter store failed"
+    assert mp_object_name(keys[0], "default")  # the names the adapter stores under
+
+    def adapter_get() -> None:
+        hits = l2.lookup(keys)
+        assert all(hits), f"adapter lookup found {sum(hits)} of {len(keys)}"
+        got = l2.load(keys, dst)
+        assert all(got), "adapter load missed"
+        l2.unlock(keys)
+
+    stages: list[tuple[str, Callable[[], None]]] = [
+        ("copy", copy),
+        ("preadv", preadv),
+        ("preadv+crc", preadv_crc),
+        ("mem tier", tier_get(mem)),
+        ("disk tier", tier_get(disk)),
+        ("store", store_get),
+        ("L2 adapter", adapter_get),
+    ]
+    rates: dict[str, list[float]] = {name: [] for name, _ in stages}
+    try:
+        for _, fn in stages:  # warm: page cache, numba, first-call paths
+            fn()
+        for r in range(args.rounds):
+            order = stages[r % len(stages) :] + stages[: r % len(stages)]
+            for name, fn in order:
+                for d in dst:
+                    d.zero_()
+                t0 = time.perf_counter()
+                fn()
+                rates[name].append(nbytes / GB / (time.perf_counter() - t0))
+                if r == 0 and name != "preadv" and name != "preadv+crc":
+                    assert all(torch.equal(a, b) for a, b in zip(data, dst)), f"{name}: bytes differ"
+    finally:
+        adapter.close()  # type: ignore[attr-defined]
+        run(store.close())
+        loop.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+    chunk_mib = data[0].nbytes / (1 << 20)
+    print(f"{len(data)} chunks of {chunk_mib:.1f} MiB ({args.shape}), {args.rounds} rounds, page-cache warm")
+    print("| stage | GB/s min / median / max | ms per chunk (median) | + over the stage above |")
+    print("|---|---|---:|---:|")
+    prev = None
+    for name, _ in stages:
+        ms = nbytes / GB / median(rates[name]) / len(data) * 1e3
+        extra = "" if prev is None else f"{ms - prev:+.2f}"
+        print(f"| {name} | {spread(rates[name])} | {ms:.2f} | {extra} |")
+        prev = ms
+
+
+if __name__ == "__main__":
+    main()
