@@ -1,9 +1,13 @@
 """One tier: a backend plus a codec, storing tensors as self-checking frames.
 
-Owns: tensor ↔ frame ↔ backend for a single backend, and the rule that a defective
-frame is a miss: it is quarantined, counted and logged, never raised and never handed
-back.  Must not touch: placement across tiers (that is `TieredStore` and the policy
-engine), URLs beyond opening the backend.
+Owns: all tensor ↔ frame ↔ backend work for a single backend: encoding, reading into
+caller buffers (streamed straight into them where the backend declares streamed reads,
+else through pooled buffers), decoding, transcoding a frame into another codec
+(`transcode`, also used by `kvstore.ops.migrate`), and the rule that a defective frame
+is a miss: it is quarantined (`Tier.quarantine`), counted in the tier's own
+`TierCounters` and logged, never raised and never handed back.  Must not touch:
+placement across tiers (that is `kvstore.tiered` and the policy engine), deadlines and
+breakers (`kvstore.tiered.guard`), URLs beyond opening the backend.
 
 Reads decode with the codec named in each frame, so a tier can read objects another
 tier (or a migration) wrote with a different codec.
@@ -13,16 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Union
 
 from kvstore import codec as codecs
 from kvstore.backends import Alloc, Backend, open_backend
-from kvstore.backends.base import redact_url
+from kvstore.backends.base import Capabilities, redact_url
+from kvstore.buffers import BufferPool
 from kvstore.codec.base import CodecUnavailableError
-from kvstore.frame import Frame, FrameError, decode_frame
+from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 
 if TYPE_CHECKING:
@@ -32,15 +37,66 @@ log = logging.getLogger(__name__)
 
 OFFLOAD_BYTES = 1 << 20  # frames this large are checksummed / decoded in a worker thread
 
+#: where a read goes: a tensor to decode into, or a callable given the checked header
+#: that returns one (None: skip this object, it stays stored), or None (a new tensor)
+Out = Union["torch.Tensor", Callable[[FrameHeader], "torch.Tensor | None"], None]
+
+# outcome of reading one name (`ReadResult.status`)
+HIT, GONE, DECLINED = 0, 1, 2  # DECLINED: stored, but the caller did not take it
+
+
+class ReadResult(NamedTuple):
+    tensor: torch.Tensor | None
+    status: int  # HIT | GONE | DECLINED (`kvstore.tiered` adds UNAVAILABLE)
+    size: int  # payload bytes of the stored frame (0 when GONE)
+
 
 @dataclass(slots=True)
 class TierCounters:
+    """What one tier's reads and writes met (a hit is an object decoded or handed over)."""
+
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
     undecodable: int = 0
+    declined: int = 0  # reads the caller skipped, or whose buffer did not fit the frame
     put_ok: int = 0
     put_failed: int = 0
+
+
+def codec_for(name: str) -> codecs.Codec:
+    """The codec a frame names; `CodecUnavailableError` when this process lacks it."""
+    try:
+        return codecs.get(name)
+    except (ValueError, ImportError) as exc:
+        raise CodecUnavailableError(f"codec {name!r} is not available: {exc}") from exc
+
+
+def transcode(
+    frame: Frame, name: str, target: codecs.Codec, source: codecs.Codec | None = None
+) -> list[memoryview]:
+    """`frame` (object `name`) re-encoded as a frame of codec `target`; the new header
+    keeps the layout and metadata and records the source's checksum and codec."""
+    source = source if source is not None else codec_for(frame.header.codec)
+    tensor = source.decode_payload(frame.payload, frame.header)
+    enc = target.encode_parts(tensor, layout=frame.header.layout)
+    meta = {
+        **frame.header.meta,
+        **enc.meta,
+        "source_csum": frame.header.csum,
+        "source_codec": frame.header.codec,
+    }
+    return encode_frame(
+        enc.parts, codec=target.name, dtype=enc.dtype, shape=enc.shape, layout=enc.layout, key=name, meta=meta
+    )
+
+
+async def check_frame(raw: memoryview, name: str) -> Frame:
+    """`decode_frame` of object `name` (raises `FrameError`), in a worker thread for large
+    objects (CRC32C releases the GIL, so the check runs on another core)."""
+    if raw.nbytes < OFFLOAD_BYTES:
+        return decode_frame(raw, key=name)
+    return await asyncio.to_thread(partial(decode_frame, raw, key=name))
 
 
 def _storable(name: str) -> bool:
@@ -67,6 +123,19 @@ class Tier:
     def open(cls, url: str, codec: str | codecs.Codec = "raw", *, name: str = "") -> Tier:
         return cls(open_backend(url), codec, name=name)
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.backend.capabilities
+
+    # -- writes --------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, name: str, layout: str = "raw") -> list[memoryview]:
+        """`tensor` as this tier's frame of object `name` (the parts a backend writes)."""
+        return self.codec.frame_parts(tensor, key=name, layout=layout)
+
+    def same_codec(self, other: Tier) -> bool:
+        """Whether frames `other` encodes are what this tier would encode."""
+        return self.codec is other.codec or self.codec.name == other.codec.name
+
     async def put_many(self, items: Sequence[tuple[str, torch.Tensor]], *, layout: str = "raw") -> list[bool]:
         """Encode and store; False where the backend could not store (counted there).
 
@@ -82,7 +151,7 @@ class Tier:
 
         def frame(i: int) -> tuple[str, list[memoryview]]:
             name, tensor = items[i]
-            return name, self.codec.frame_parts(tensor, key=name, layout=layout)
+            return name, self.encode(tensor, name, layout)
 
         async def put_small() -> None:
             for i, r in zip(small, await self.put_frames([frame(i) for i in small])):
@@ -102,8 +171,15 @@ class Tier:
         self.counters.put_failed += len(ok) - good
         return ok
 
+    # -- frames --------------------------------------------------------------------------
     async def get_frames(self, names: Sequence[str], alloc: Alloc | None = None) -> list[Frame | None]:
         """Verified frames (payload views into the read buffers); defects become None."""
+        frames = await self._frames(names, alloc)
+        self.counters.hits += sum(f is not None for f in frames)
+        return frames
+
+    async def _frames(self, names: Sequence[str], alloc: Alloc | None) -> list[Frame | None]:
+        """`get_frames` without counting hits (the caller decodes, then counts)."""
         raws = await self.backend.get_many(names, alloc)
         return list(await asyncio.gather(*(self._verify(n, raw) for n, raw in zip(names, raws))))
 
@@ -112,64 +188,25 @@ class Tier:
             self.counters.misses += 1
             return None
         try:
-            frame = (
-                decode_frame(raw, key=name)
-                if raw.nbytes < OFFLOAD_BYTES
-                else await asyncio.to_thread(partial(decode_frame, raw, key=name))
-            )
+            return await check_frame(raw, name)
         except FrameError as exc:
-            await self._quarantine(name, exc)
+            await self.quarantine(name, exc)
             return None
-        self.counters.hits += 1
-        return frame
 
-    async def get_many(
-        self,
-        names: Sequence[str],
-        out: Sequence[torch.Tensor | None] | None = None,
-        alloc: Alloc | None = None,
-    ) -> list[torch.Tensor | None]:
-        """Tensors for `names` (None = miss).  With `out`, each hit is written there.
-
-        Without `out` or `alloc`, raw tensors share the read buffer (no copy).
-        """
-        frames = await self.get_frames(names, alloc)
-        result: list[torch.Tensor | None] = []
-        for i, (name, frame) in enumerate(zip(names, frames)):
-            if frame is None:
-                result.append(None)
-                continue
-            try:
-                dec = self._decoder(frame.header.codec)
-                target = out[i] if out is not None else None
-                result.append(dec.decode_payload(frame.payload, frame.header, target))
-            except CodecUnavailableError as exc:
-                self.counters.hits -= 1
-                self.counters.misses += 1
-                self.counters.undecodable += 1
-                log.error(
-                    "kvstore: %s in %s cannot be decoded here (%s); served as a miss",
-                    printable_name(name),
-                    self.name,
-                    exc,
-                )
-                result.append(None)
-            except (FrameError, ValueError) as exc:
-                self.counters.hits -= 1
-                await self._quarantine(name, exc)
-                result.append(None)
-        return result
-
-    def _decoder(self, name: str) -> codecs.Codec:
-        dec = self._decoders.get(name)
+    def decoder(self, codec: str) -> codecs.Codec:
+        """The codec named `codec` (cached); `CodecUnavailableError` if this process lacks it."""
+        dec = self._decoders.get(codec)
         if dec is None:
-            try:
-                dec = self._decoders[name] = codecs.get(name)
-            except (ValueError, ImportError) as exc:
-                raise CodecUnavailableError(f"codec {name!r} is not available: {exc}") from exc
+            dec = self._decoders[codec] = codec_for(codec)
         return dec
 
-    async def _quarantine(self, name: str, exc: Exception) -> None:
+    def transcode(self, frame: Frame, name: str, target: codecs.Codec) -> list[memoryview]:
+        """`frame` of object `name` (read from this tier) as a frame of codec `target`."""
+        return transcode(frame, name, target, self.decoder(frame.header.codec))
+
+    async def quarantine(self, name: str, exc: Exception) -> None:
+        """Take defective object `name` out of service: counted (a corrupt miss), logged,
+        and handed to the backend's quarantine; never raises."""
         self.counters.corrupt += 1
         self.counters.misses += 1
         log.warning(
@@ -183,6 +220,224 @@ class Tier:
         except Exception:  # a failing quarantine must not turn a miss into a crash
             log.exception("kvstore: could not quarantine %s", printable_name(name))
 
+    # -- tensor reads --------------------------------------------------------------------
+    async def get_many(
+        self,
+        names: Sequence[str],
+        out: Sequence[Out] | None = None,
+        alloc: Alloc | None = None,
+    ) -> list[torch.Tensor | None]:
+        """Tensors for `names` (None = miss, or declined).  With `out`, each hit is
+        written there (see `Out`).  Without `out` or `alloc`, raw tensors share the read
+        buffer (no copy)."""
+        frames = await self._frames(names, alloc)
+        return [r.tensor for r in await self._decode(names, frames, out)]
+
+    async def read_into(
+        self, names: Sequence[str], outs: Sequence[Out] | None, pool: BufferPool
+    ) -> list[ReadResult]:
+        """A `ReadResult` per name; the payload is copied once.
+
+        With a target for every name, a backend that declares streamed reads (disk,
+        Redis) reads raw payloads straight into the targets, checksummed block by block
+        as they land; other tiers that are not in memory read into buffers taken from
+        `pool`, given back once decoded (nothing views them then)."""
+        if outs is not None and all(o is not None for o in outs):
+            res, rest = await self._read_streamed(names, outs, pool)
+            if rest:
+                again = await self._read_frames([names[k] for k in rest], [outs[k] for k in rest], pool)
+                for k, r in zip(rest, again):
+                    res[k] = r
+            return res
+        return await self._read_frames(names, outs, pool)
+
+    async def _read_frames(
+        self, names: Sequence[str], outs: Sequence[Out] | None, pool: BufferPool
+    ) -> list[ReadResult]:
+        """`read_into` through verified whole frames (pooled buffers where possible)."""
+        taken: list[bytearray] = []
+        pooled = not self.capabilities.in_memory and outs is not None and all(o is not None for o in outs)
+
+        def alloc(size: int) -> memoryview:
+            buf = pool.take(size)
+            taken.append(buf)
+            return memoryview(buf)
+
+        try:
+            reading = asyncio.ensure_future(self._frames(names, alloc if pooled else None))
+            try:
+                frames = await asyncio.shield(reading)
+            except asyncio.CancelledError:
+                await asyncio.wait({reading})  # pooled buffers go back only once nothing writes them
+                raise
+            res = await self._decode(names, frames, outs)
+            del frames  # payload views end here: decoded into the caller's tensors
+        finally:
+            for buf in taken:
+                pool.give(buf)
+        return res
+
+    async def _read_streamed(
+        self, names: Sequence[str], outs: Sequence[Out], pool: BufferPool
+    ) -> tuple[list[ReadResult], list[int]]:
+        """Raw payloads straight into the callers' tensors, hashed block by block as they
+        land; also the indices to read whole instead (not raw, or a header too long to
+        stream).  A streaming backend (disk) runs `place` on its worker threads."""
+        import torch
+
+        from kvstore.backends.stream import stream_from_buffer
+        from kvstore.codec.base import dtype_from_name
+        from kvstore.frame_sink import FrameSink
+
+        n = len(names)
+        targets: list[torch.Tensor | None] = [None] * n
+        whole = [False] * n
+        refused: list[Exception | None] = [None] * n
+        stopped = False  # the read was cancelled: allocate nothing more
+
+        def placer(k: int) -> Callable[[FrameHeader], memoryview | None]:
+            def place(header: FrameHeader) -> memoryview | None:
+                if stopped:
+                    return None
+                if header.codec != "raw":
+                    whole[k] = True  # decoded by its codec: read whole
+                    return None
+                try:
+                    t = outs[k]
+                    if callable(t):
+                        t = t(header)
+                    if t is None:
+                        return None
+                    if (
+                        tuple(t.shape) != tuple(header.shape)
+                        or t.dtype != dtype_from_name(header.dtype)
+                        or t.device.type != "cpu"
+                        or not t.is_contiguous()
+                    ):
+                        raise ValueError(
+                            f"out is {tuple(t.shape)} {t.dtype} on {t.device}; frame holds {header.shape} {header.dtype}"
+                        )
+                except Exception as exc:
+                    refused[k] = exc
+                    return None
+                targets[k] = t
+                if t.numel() == 0:
+                    return memoryview(bytearray(0))
+                return t.reshape(-1).view(torch.uint8).numpy().data
+
+            return place
+
+        sinks = [FrameSink(name, placer(k)) for k, name in enumerate(names)]
+        verdicts: list[object | None]
+        if self.capabilities.streamed_reads:
+            order = iter(sinks)  # one sink per name, taken in order (a name may repeat)
+            reading = asyncio.ensure_future(self.backend.read_streamed(names, lambda _name: next(order)))
+            try:
+                verdicts = await asyncio.shield(reading)
+            except asyncio.CancelledError:
+                # the read may be writing into the callers' tensors: the caller may free them
+                # only once those writes are over (at once for a backend that streams on the
+                # event loop; a disk read's worker threads finish their block first)
+                stopped = True
+                if self.capabilities.streams_on_loop:
+                    reading.cancel()
+                await asyncio.wait({reading})
+                raise
+        else:  # whole objects (memory views, or pooled buffers), then streamed into the targets
+            taken: list[bytearray] = []
+
+            def alloc(size: int) -> memoryview:
+                buf = pool.take(size)
+                taken.append(buf)
+                return memoryview(buf)
+
+            try:
+                raws = await self.backend.get_many(names, None if self.capabilities.in_memory else alloc)
+                verdicts = [None if r is None else stream_from_buffer(r, sk) for r, sk in zip(raws, sinks)]
+                del raws
+            finally:
+                for buf in taken:
+                    pool.give(buf)
+        c = self.counters
+        res: list[ReadResult] = []
+        rest: list[int] = []
+        for k, (name, sink) in enumerate(zip(names, sinks)):
+            header = sink.header
+            if verdicts[k] is None:
+                c.misses += 1
+                res.append(ReadResult(None, GONE, 0))
+            elif sink.too_long or whole[k]:
+                rest.append(k)
+                res.append(ReadResult(None, GONE, 0))
+            elif sink.error is not None:
+                await self.quarantine(name, sink.error)
+                res.append(ReadResult(None, GONE, 0))
+            elif header is None:  # no error, yet no header: cannot happen; a miss
+                c.misses += 1
+                res.append(ReadResult(None, GONE, 0))
+            elif not sink.placed:
+                c.hits += 1
+                c.declined += 1
+                if refused[k] is not None:
+                    log.warning(
+                        "kvstore: could not decode %s from %s: %s", printable_name(name), self.name, refused[k]
+                    )
+                res.append(ReadResult(None, DECLINED, header.plen))
+            else:
+                c.hits += 1
+                res.append(ReadResult(targets[k], HIT, header.plen))
+        return res, rest
+
+    async def _decode(
+        self, names: Sequence[str], frames: Sequence[Frame | None], outs: Sequence[Out] | None
+    ) -> list[ReadResult]:
+        """Decode verified frames into their targets, counting each outcome once."""
+        c = self.counters
+        res: list[ReadResult] = []
+        for k, (name, frame) in enumerate(zip(names, frames)):
+            if frame is None:
+                res.append(ReadResult(None, GONE, 0))
+                continue
+            size = frame.header.plen
+            target = outs[k] if outs is not None else None
+            try:
+                if callable(target):
+                    target = target(frame.header)
+                    if target is None:
+                        c.hits += 1
+                        c.declined += 1
+                        res.append(ReadResult(None, DECLINED, size))
+                        continue
+                tensor = self.decoder(frame.header.codec).decode_payload(frame.payload, frame.header, target)
+            except CodecUnavailableError as exc:  # fine where it is: another process can read it
+                c.misses += 1
+                c.undecodable += 1
+                log.error(
+                    "kvstore: %s in %s cannot be decoded here (%s); served as a miss",
+                    printable_name(name),
+                    self.name,
+                    exc,
+                )
+                res.append(ReadResult(None, DECLINED, size))
+            except FrameError as exc:
+                await self.quarantine(name, exc)
+                res.append(ReadResult(None, GONE, 0))
+            except Exception as exc:
+                if target is None and isinstance(exc, ValueError):  # no caller buffer: the frame is bad
+                    await self.quarantine(name, exc)
+                    res.append(ReadResult(None, GONE, 0))
+                    continue
+                # the caller's buffer did not fit: a miss, not a defect
+                c.hits += 1
+                c.declined += 1
+                log.warning("kvstore: could not decode %s from %s: %s", printable_name(name), self.name, exc)
+                res.append(ReadResult(None, DECLINED, size))
+            else:
+                c.hits += 1
+                res.append(ReadResult(tensor, HIT, size))
+        return res
+
+    # -- the rest ------------------------------------------------------------------------
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         return await self.backend.contains_many(names)
 

@@ -36,7 +36,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +43,11 @@ from kvstore import codec as codecs
 from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
 from kvstore.buffers import BufferPool
-from kvstore.frame import Frame, FrameError, FrameHeader, decode_frame, encode_frame, read_header
+from kvstore.frame import FrameError, FrameHeader, read_header
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix, printable_name
 from kvstore.ops.inspect import read_headers
 from kvstore.options import kvstore_home, option_int
-from kvstore.tier import OFFLOAD_BYTES
+from kvstore.tier import check_frame, transcode
 
 log = logging.getLogger(__name__)
 
@@ -179,30 +178,6 @@ def journal_path(src: Backend, dst: Backend, opts: MigrateOptions) -> Path:
     return kvstore_home() / "migrations" / f"{digest}.jsonl"
 
 
-def _recode(frame: Frame, name: str, target: codecs.Codec) -> list[memoryview]:
-    source = codecs.get(frame.header.codec)
-    tensor = source.decode_payload(frame.payload, frame.header)
-    enc = target.encode_parts(tensor, layout=frame.header.layout)
-    meta = {
-        **frame.header.meta,
-        **enc.meta,
-        "source_csum": frame.header.csum,
-        "source_codec": frame.header.codec,
-    }
-    return encode_frame(
-        enc.parts, codec=target.name, dtype=enc.dtype, shape=enc.shape, layout=enc.layout, key=name, meta=meta
-    )
-
-
-async def _checked(raw: memoryview, name: str) -> Frame:
-    """`decode_frame` of object `name` (a frame written for another name is a
-    `MisplacedFrameError`), in a worker thread for large objects (CRC32C releases the
-    GIL, so the check runs on the other core while the loop keeps I/O going)."""
-    if raw.nbytes < OFFLOAD_BYTES:
-        return decode_frame(raw, key=name)
-    return await asyncio.to_thread(partial(decode_frame, raw, key=name))
-
-
 def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> bool:
     target = codecs.parse_spec(recode)[0] if recode is not None else None
     if target is None or target == src.codec:
@@ -302,7 +277,7 @@ async def migrate(
             report.failed.append(name)
             return
         try:
-            frame = await _checked(raw, name)
+            frame = await check_frame(raw, name)
         except FrameError as exc:
             log.error(
                 "kvstore migrate: source object %s is corrupt (%s); skipped, not copied",
@@ -316,7 +291,7 @@ async def migrate(
             report.already_done += 1
             settled.append(info)
             return
-        parts = _recode(frame, name, target) if target is not None else [raw]
+        parts = transcode(frame, name, target) if target is not None else [raw]
         expect_csum = read_header(parts[0])[0].csum if target is not None else frame.header.csum
         (ok,) = await dst.put_many([(name, parts)])
         if not ok:
@@ -340,14 +315,14 @@ async def migrate(
         if have is None:
             return False
         try:
-            return _matches_source((await _checked(have, name)).header, src_header, opts.recode)
+            return _matches_source((await check_frame(have, name)).header, src_header, opts.recode)
         except FrameError:
             return False
 
     async def _verify_written(name: str, csum: int, alloc: Callable[[int], memoryview]) -> bool:
         (back,) = await dst.get_many([name], alloc)
         try:
-            if back is not None and (await _checked(back, name)).header.csum == csum:
+            if back is not None and (await check_frame(back, name)).header.csum == csum:
                 return True
         except FrameError as exc:
             log.error(

@@ -1,0 +1,76 @@
+"""Which names a TieredStore can serve: visibility, discovery, prefix lookup.
+
+Owns: `Lookup`: whether a name is visible (held by the engine, not being written, not
+expired) and servable (in a tier that answers), whether a name the engine does not know
+may be looked for in the tiers (`discoverable`), and asking the tiers about such names
+(`found_in_tiers`, counted as found).  Changes no policy state.  Must not touch: reads
+and writes of data, the engine's decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvstore.tiered.parts import Parts
+
+
+class Lookup:
+    def __init__(self, parts: Parts) -> None:
+        self.p = parts
+
+    def visible(self, name: str, now: float) -> int | None:
+        """The tier serving `name`, or None (absent, still being written, or expired)."""
+        p = self.p
+        if p.inflight.writing(name) or p.book.is_expired(name, now):
+            return None
+        return p.placement.where(name)
+
+    def servable(self, name: str, now: float) -> bool:
+        """Visible in a tier that is answering (a failing tier's objects are not promised)."""
+        j = self.visible(name, now)
+        if j is None:
+            return False
+        p = self.p
+        return any(
+            name in p.placement.tiers[k].resident and not p.guard.refusing(k) for k in range(j, len(p.tiers))
+        )
+
+    def discoverable(self, name: str) -> bool:
+        """Unknown to the engine, and no write or copy of ours is under way."""
+        return self.p.placement.where(name) is None and not self.p.inflight.busy(name)
+
+    async def prefix(self, names: Sequence[str], now: float) -> int:
+        """How many leading `names` are servable (or, with discovery, found in a tier)."""
+        n = 0
+        for name in names:
+            if not self.servable(name, now):
+                break
+            n += 1
+        # the first unknown name decides whether the rest are worth asking about
+        if n < len(names) and self.p.discover and (await self.found_in_tiers(names[n : n + 1], now))[0]:
+            n += 1
+            for found in await self.found_in_tiers(names[n:], now):
+                if not found:
+                    break
+                n += 1
+        return n
+
+    async def contains(self, names: Sequence[str], now: float) -> list[bool]:
+        if self.p.discover:
+            return await self.found_in_tiers(names, now)
+        return [self.servable(n, now) for n in names]
+
+    async def found_in_tiers(self, names: Sequence[str], now: float) -> list[bool]:
+        """Visible, or (unknown to the engine) stored in some tier by someone else."""
+        p = self.p
+        found = [self.servable(n, now) for n in names]
+        todo = [i for i, n in enumerate(names) if not found[i] and self.discoverable(n)]
+        for j in range(len(p.tiers)):
+            if not todo:
+                break
+            held = await p.guard.contains(j, [names[i] for i in todo])
+            p.counters.found += sum(held)
+            for i, h in zip(todo, held):
+                found[i] = h
+            todo = [i for i in todo if not found[i]]
+        return found

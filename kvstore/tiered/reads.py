@@ -1,0 +1,172 @@
+"""The read path of a TieredStore: which tier each name is read from, and what a read
+changes in the books.
+
+Owns: `Reader`: grouping a batch by the tier holding each name's bytes (a name whose
+copy is still landing is read where its bytes are), one guarded `Tier.read_into` per
+group, falling back to a lower tier holding a copy when a tier does not answer,
+discovery reads of names the engine does not know (adopting what is found), and the
+engine's hits (promotions) afterwards.  Must not touch: tensor ↔ frame work (that is
+`Tier.read_into`: streamed or pooled reads, decoding, quarantine), the engine's rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.namespaces import namespace_of
+from kvstore.policy import NO_META, Move
+from kvstore.tier import DECLINED, GONE, HIT, Out, ReadResult
+from kvstore.tiered.lookup import Lookup
+from kvstore.tiered.moves import Mover
+from kvstore.tiered.parts import Parts
+
+if TYPE_CHECKING:
+    import torch
+
+UNAVAILABLE = 3  # a `ReadResult.status`: the tier did not answer (the object stays on the books)
+
+
+class Reader:
+    def __init__(self, parts: Parts, lookup: Lookup, mover: Mover) -> None:
+        self.p = parts
+        self.lookup = lookup
+        self.mover = mover
+
+    async def get_many(self, names: Sequence[str], out: Sequence[Out] | None, now: float) -> list[torch.Tensor | None]:
+        """Tensors for `names` (None = miss), from the highest tier holding each."""
+        p = self.p
+        result: list[torch.Tensor | None] = [None] * len(names)
+        groups: dict[int, list[tuple[int, int]]] = {}  # source tier -> [(index, placed tier)]
+        unknown: list[int] = []
+        reading: list[str] = []
+        for i, name in enumerate(names):
+            j = self.lookup.visible(name, now)
+            if j is None:
+                if p.discover and self.lookup.discoverable(name):
+                    unknown.append(i)
+                continue
+            groups.setdefault(p.inflight.source(name, j), []).append((i, j))
+            reading.append(name)
+        served: list[bool] = [False] * len(names)
+        moves: list[Move] = []
+        ticket = p.inflight.prepare_read(reading)
+        try:
+            reads = [self._read_group(src, g, names, out, result, served) for src, g in groups.items()]
+            if unknown:
+                reads.append(self._discover(unknown, names, out, result, served, moves, now))
+            await asyncio.gather(*reads)
+        finally:
+            p.inflight.complete(ticket)
+        for i, name in enumerate(names):
+            if not served[i]:
+                p.metrics.misses.labels(namespace_of(name)).inc()
+                continue
+            moves.extend(p.placement.hit(name, NO_META, p.inflight))
+        await self.mover.carry_out(moves)
+        p.update_gauges()
+        return result
+
+    async def read_tier(self, j: int, names: Sequence[str], outs: Sequence[Out] | None) -> list[ReadResult]:
+        """`Tier.read_into` under tier `j`'s deadline and breaker: UNAVAILABLE for every
+        name when the tier does not answer (a miss that keeps the object on the books)."""
+        p = self.p
+        fallback = [ReadResult(None, UNAVAILABLE, 0)] * len(names)
+        return await p.guard.call(j, p.tiers[j].read_into(names, outs, p.pool), fallback, "get")
+
+    async def _read_group(
+        self,
+        src: int,
+        group: list[tuple[int, int]],
+        names: Sequence[str],
+        out: Sequence[Out] | None,
+        result: list[torch.Tensor | None],
+        served: list[bool],
+    ) -> None:
+        p = self.p
+        tier = p.tiers[src]
+        sub = [names[i] for i, _ in group]
+        sub_out = [out[i] for i, _ in group] if out is not None else None
+        corrupt0 = tier.counters.corrupt
+        t0 = time.perf_counter()
+        got = await self.read_tier(src, sub, sub_out)
+        p.metrics.op_seconds.labels("get", p.labels[src]).observe(time.perf_counter() - t0)
+        bad = tier.counters.corrupt - corrupt0
+        if bad:
+            p.metrics.quarantines.labels(p.labels[src]).inc(bad)
+        for (i, placed), (tensor, status, _) in zip(group, got):
+            name = names[i]
+            at = src
+            target = [out[i]] if out is not None else None
+            if status == GONE and placed != src:
+                # read where its bytes were while a copy was landing; it may just have landed
+                tensor, status, _ = (await self.read_tier(placed, [name], target))[0]
+            if status == UNAVAILABLE:
+                # the tier did not answer: a lower tier holding a copy may (write-through)
+                for k in range(placed + 1, len(p.tiers)):
+                    if name in p.placement.tiers[k].resident and not p.guard.refusing(k):
+                        tensor, status, _ = (await self.read_tier(k, [name], target))[0]
+                        if status == HIT:
+                            placed = at = k
+                            break
+                if status != HIT:
+                    continue  # still on the books: it is a miss only while the tier is away
+            if status == DECLINED:
+                continue  # still stored: the caller did not take it
+            if tensor is None:
+                # the engine believed it held: the object is gone or was corrupt
+                p.forget(name, placed)
+                continue
+            result[i] = tensor
+            served[i] = True
+            ns = namespace_of(name)
+            p.metrics.hits.labels(p.labels[placed], ns).inc()
+            p.metrics.bytes_out.labels(p.labels[at], ns).inc(p.placement.tiers[placed].resident.get(name, 0))
+
+    async def _discover(
+        self,
+        todo: list[int],
+        names: Sequence[str],
+        out: Sequence[Out] | None,
+        result: list[torch.Tensor | None],
+        served: list[bool],
+        moves: list[Move],
+        now: float,
+    ) -> None:
+        """Read names the engine does not know from each tier in turn; adopt what is found,
+        also in the tiers below that hold a copy (so no cleanup takes those for strays)."""
+        p = self.p
+        for j in range(len(p.tiers)):
+            if not todo:
+                return
+            sub_out = [out[i] for i in todo] if out is not None else None
+            got = await self.read_tier(j, [names[i] for i in todo], sub_out)
+            still = []
+            adopted: list[tuple[str, int]] = []
+            for i, (tensor, status, size) in zip(todo, got):
+                name = names[i]
+                if status in (GONE, UNAVAILABLE):
+                    still.append(i)
+                    continue
+                if self.lookup.discoverable(name):  # nobody stored it meanwhile
+                    moves.extend(p.placement.adopt(name, j, size, p.inflight))
+                    if p.placement.where(name) is not None and name not in p.book:
+                        p.book.add(name, size, now)
+                    p.counters.discovered += 1
+                    adopted.append((name, size))
+                if status == HIT:
+                    result[i] = tensor
+                    served[i] = True
+                    ns = namespace_of(name)
+                    p.metrics.hits.labels(p.labels[j], ns).inc()
+                    p.metrics.bytes_out.labels(p.labels[j], ns).inc(size)
+            for k in range(j + 1, len(p.tiers)):
+                if not adopted:
+                    break
+                held = await p.guard.contains(k, [n for n, _ in adopted])
+                for (name, size), h in zip(adopted, held):
+                    if h and p.placement.where(name) is not None and not p.inflight.copying(name):
+                        moves.extend(p.placement.adopt(name, k, size, p.inflight))
+            todo = still

@@ -1,0 +1,275 @@
+"""`TieredStore`: the public API, composing tiers, the policy engine and the store's parts.
+
+Owns: building a store (from `TierSpec`s or tier URLs), the public calls and their order
+of steps (expire, then decide and carry out), namespaces' expiry, pins, stats and
+closing.  Each step is done by one part: `lookup` (visibility, discovery, prefix
+lookup), `reads` (get paths), `writes` (put path), `moves` (the engine's drops and
+copies), `inflight` (what is under way), `guard` (per-tier deadline and breaker).  Must
+not touch: placement rules (the engine decides), tensor ↔ frame work (`Tier`), backend
+internals.  See `kvstore.tiered` for the API and its guarantees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvstore.backends.breaker import CircuitBreaker
+from kvstore.buffers import BufferPool
+from kvstore.namespaces import NO_RULE, NamespaceBook, NamespaceRule, namespace_of
+from kvstore.policy import DEFAULT_POLICY, Move, Placement
+from kvstore.store_metrics import StoreMetrics
+from kvstore.tier import Out, Tier
+from kvstore.tiered.guard import TierGuard
+from kvstore.tiered.inflight import InFlight
+from kvstore.tiered.lookup import Lookup
+from kvstore.tiered.moves import Mover
+from kvstore.tiered.parts import Parts
+from kvstore.tiered.reads import Reader
+from kvstore.tiered.spec import TierSpec, placement_for, specs_from
+from kvstore.tiered.stats import StoreCounters, StoreStats, TierStats
+from kvstore.tiered.writes import Writer
+
+if TYPE_CHECKING:
+    import torch
+    from prometheus_client import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+
+class TieredStore:
+    """Tensors across tiers; see `kvstore.tiered` for the API and guarantees."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec],
+        *,
+        namespaces: dict[str, NamespaceRule] | None = None,
+        default_namespace: NamespaceRule = NO_RULE,
+        max_moves: int = 4,
+        pin_ttl: float = 60.0,
+        promote: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        registry: CollectorRegistry | None = None,
+        discover: bool = False,
+        pool: BufferPool | None = None,
+        tier_timeout: float | None = None,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        if max_moves < 1:
+            raise ValueError("max_moves must be at least 1")
+        self.specs = list(tiers)
+        self.tiers = [s.tier for s in self.specs]
+        self.placement: Placement = placement_for(self.specs, promote)
+        self.tier_names = [st.name for st in self.placement.tiers]
+        self.book = NamespaceBook(namespaces, default_namespace)
+        self.metrics = StoreMetrics(registry)
+        self.pin_ttl = pin_ttl
+        self.pool = pool if pool is not None else BufferPool()
+        self.discover = discover
+        self.tier_timeout = tier_timeout
+        self._clock = clock
+        self._closed = False
+        self.inflight = InFlight(clock)
+        self.guard = TierGuard(self.tiers, self.tier_names, self.metrics, tier_timeout)
+        self.counters = StoreCounters()
+        self.parts = parts = Parts(
+            tiers=self.tiers,
+            labels=self.tier_names,
+            placement=self.placement,
+            book=self.book,
+            metrics=self.metrics,
+            inflight=self.inflight,
+            guard=self.guard,
+            pool=self.pool,
+            clock=clock,
+            discover=discover,
+            counters=self.counters,
+        )
+        self.mover = Mover(parts, max_moves)
+        self.lookup = Lookup(parts)
+        self.reader = Reader(parts, self.lookup, self.mover)
+        self.writer = Writer(parts, self.mover)
+
+    @classmethod
+    def from_urls(
+        cls,
+        specs: Sequence[str | tuple[str, str] | TierSpec],
+        *,
+        policy: str = DEFAULT_POLICY,
+        **kwargs: Any,
+    ) -> TieredStore:
+        """A store from tier URLs, hot first: ``"mem://hot?capacity=1GiB"``, ``("s3://b/p", "cachegen")``."""
+        return cls(specs_from(specs, policy), **kwargs)
+
+    # -- the parts' public faces -------------------------------------------------------
+    @property
+    def breakers(self) -> list[CircuitBreaker]:
+        """Each tier's breaker (see `kvstore.tiered.guard`)."""
+        return self.guard.breakers
+
+    @property
+    def max_moves(self) -> int:
+        return self.mover.max_moves
+
+    @property
+    def on_gone(self) -> Callable[[list[str]], None] | None:
+        """Called with the names that left every tier (evicted or deleted)."""
+        return self.mover.on_gone
+
+    @on_gone.setter
+    def on_gone(self, callback: Callable[[list[str]], None] | None) -> None:
+        self.mover.on_gone = callback
+
+    def tier_available(self, j: int) -> bool:
+        """Is tier `j`'s breaker closed (calls go through)?"""
+        return self.guard.available(j)
+
+    async def warm_up(self, timeout: float = 10.0) -> None:
+        """Touch every tier once (connections, clients, lazy indexes, worker threads)
+        outside any serving deadline, so a first request does not pay for it and trip a
+        breaker.  A tier that cannot answer is logged, not raised: it fails fast later."""
+
+        async def touch(tier: Tier) -> None:
+            try:
+                await asyncio.wait_for(tier.backend.check(), timeout)
+                await asyncio.wait_for(tier.contains_many(["kvstore/warm-up/probe"]), timeout)
+            except Exception as exc:
+                log.warning("kvstore: %s did not answer at start: %s", tier.name, exc)
+
+        await asyncio.gather(*(touch(t) for t in self.tiers))
+
+    # -- lookups -------------------------------------------------------------------------
+    async def prefix_lookup(self, names: Sequence[str]) -> int:
+        """How many leading `names` are held in some tier."""
+        now = self._clock()
+        await self._expire(now)
+        return await self.lookup.prefix(names, now)
+
+    async def contains_many(self, names: Sequence[str]) -> list[bool]:
+        now = self._clock()
+        await self._expire(now)
+        return await self.lookup.contains(names, now)
+
+    # -- writes and reads ----------------------------------------------------------------
+    async def put_many(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        chained: bool = False,
+        parent: str | None = None,
+        layout: str = "raw",
+    ) -> list[bool]:
+        """Store tensors; see `kvstore.tiered`."""
+        now = self._clock()
+        await self._expire(now)
+        return await self.writer.put_many(items, chained=chained, parent=parent, layout=layout, now=now)
+
+    async def get_many(self, names: Sequence[str], out: Sequence[Out] | None = None) -> list[torch.Tensor | None]:
+        """Tensors for `names` (None = miss); see `kvstore.tiered` for `out`."""
+        now = self._clock()
+        await self._expire(now)
+        return await self.reader.get_many(names, out, now)
+
+    # -- deletes, pins, expiry -----------------------------------------------------------
+    async def delete_many(self, names: Sequence[str]) -> list[bool]:
+        """Remove from every tier; True where the name was held.
+
+        With ``discover``, names the engine does not know (stored by another process or
+        an earlier run) are deleted from every tier too, and count as held if a tier had them.
+        """
+        existed = []
+        moves: list[Move] = []
+        unknown: list[int] = []
+        for i, name in enumerate(names):
+            existed.append(self.placement.where(name) is not None)
+            if self.discover and not existed[-1] and self.lookup.discoverable(name):
+                unknown.append(i)
+            moves.extend(self.placement.delete(name))
+            self.book.discard(name)
+        await self.mover.carry_out(moves)
+        if unknown:
+            asked = [names[i] for i in unknown]
+            for j in range(len(self.tiers)):
+                held = await self.guard.delete(j, asked)
+                for i, h in zip(unknown, held):
+                    existed[i] = existed[i] or h
+        self.parts.update_gauges()
+        return existed
+
+    def pin(self, names: Sequence[str], ttl: float | None = None) -> None:
+        """Keep `names` from eviction for `ttl` seconds (default `pin_ttl`) or until unpinned."""
+        self.inflight.pin(names, self._clock() + (self.pin_ttl if ttl is None else ttl))
+
+    def unpin(self, names: Sequence[str]) -> None:
+        self.inflight.unpin(names)
+
+    async def _expire(self, now: float) -> None:
+        self.inflight.prune_pins(now)
+        gone = self.book.expired(now)
+        if not gone:
+            return
+        moves: list[Move] = []
+        for name in gone:
+            moves.extend(self.placement.delete(name))
+            self.book.discard(name)
+            self.metrics.expired.labels(namespace_of(name)).inc()
+        await self.mover.carry_out(moves)
+
+    async def drain(self) -> None:
+        """Wait until every background copy has finished."""
+        await self.mover.drain()
+
+    # -- reporting -----------------------------------------------------------------------
+    def stats(self) -> StoreStats:
+        tiers = []
+        for spec, st, tier in zip(self.specs, self.placement.tiers, self.tiers):
+            c = st.counters
+            tiers.append(
+                TierStats(
+                    name=st.name,
+                    policy=st.policy.name,
+                    capacity=spec.capacity,
+                    used_bytes=st.used,
+                    objects=len(st.resident),
+                    hits=c.hits,
+                    bytes_read=c.bytes_read,
+                    writes=c.writes,
+                    evictions=c.evictions,
+                    promotions_in=c.promotions_in,
+                    demotions_in=c.demotions_in,
+                    rejected=c.rejected,
+                    backend=tier.backend.stats(),
+                )
+            )
+        return StoreStats(
+            tiers=tiers,
+            namespaces={
+                ns: {"bytes": self.book.used.get(ns, 0), "objects": self.book.objects(ns)}
+                for ns in self.book.namespaces()
+            },
+            moves_in_flight=len(self.mover.tasks),
+            pinned=self.inflight.pinned(self._clock()),
+            declined=sum(t.counters.declined for t in self.tiers),
+            discovered=self.counters.discovered,
+            found=self.counters.found,
+        )
+
+    async def close(self) -> None:
+        """Finish background copies, then close every tier."""
+        if self._closed:
+            return
+        self._closed = True
+        await self.drain()
+        for tier in self.tiers:
+            await tier.close()
+
+    async def __aenter__(self) -> TieredStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

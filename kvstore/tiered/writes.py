@@ -1,0 +1,163 @@
+"""The write path of a TieredStore: the caller's data into the tiers the engine chose.
+
+Owns: `Writer`: framing each tensor once for the top tier (and again only for a tier
+whose codec differs), namespace quotas, asking the engine where each object goes (with
+its place in a prefix chain), then writing one batch per tier in the foreground under
+the tier's guard; a write becomes visible only once it has landed, and one that failed
+is taken off the books.  Must not touch: reads, the engine's rules, background copies
+(handed to `Mover`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.keys import InvalidKeyError, check_object_name
+from kvstore.namespaces import namespace_of
+from kvstore.policy import NO_META, ChunkMeta, Move, Write
+from kvstore.tiered.inflight import Ticket
+from kvstore.tiered.moves import Mover
+from kvstore.tiered.parts import Parts
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+class Writer:
+    def __init__(self, parts: Parts, mover: Mover) -> None:
+        self.p = parts
+        self.mover = mover
+
+    async def put_many(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        *,
+        chained: bool,
+        parent: str | None,
+        layout: str,
+        now: float,
+    ) -> list[bool]:
+        p = self.p
+        top = p.tiers[0]
+        results = [False] * len(items)
+        frames: list[list[memoryview] | None] = []
+        for name, tensor in items:
+            try:
+                check_object_name(name)
+            except InvalidKeyError:
+                log.warning("kvstore: refusing to store invalid object name %r", name)
+                frames.append(None)
+                continue
+            frames.append(top.encode(tensor, name, layout))
+
+        # decide everything first (synchronously: no other task sees a half-made plan)
+        protected = p.inflight
+        moves: list[Move] = []
+        writes: list[tuple[int, Write]] = []
+        prev_meta = p.placement.meta.get(parent, NO_META) if parent is not None else NO_META
+        prev = parent
+        ticket = p.inflight.prepare_write()
+        for i, (name, _) in enumerate(items):
+            parts = frames[i]
+            if parts is None:
+                continue
+            size = sum(part.nbytes for part in parts)
+            if chained:
+                depth = prev_meta.depth + 1 if prev is not None else 0
+                meta = ChunkMeta(depth=depth, parent=prev, tail=i == len(items) - 1)
+                prev, prev_meta = name, meta
+            else:
+                meta = NO_META
+            if p.placement.where(name) is None:
+                room = p.book.over_quota(name, size, keep=protected)
+                if room is None:
+                    p.metrics.errors.labels("quota", "-").inc()
+                    continue
+                for old in room:
+                    moves.extend(p.placement.delete(old))
+                    p.metrics.quota_evictions.labels(namespace_of(old)).inc()
+                    p.book.discard(old)
+            else:
+                results[i] = True  # already held: the store call is a touch
+            for m in p.placement.store(name, size, meta, protected):
+                if name not in p.book:
+                    p.book.add(name, size, now)  # reserved now: later items see the quota
+                if isinstance(m, Write):
+                    writes.append((i, m))
+                    p.inflight.add_write(ticket, name)
+                else:
+                    moves.append(m)
+
+        await self.mover.carry_out(moves)
+        # the caller's data: written in the foreground, one batch per tier
+        by_tier: dict[int, list[tuple[int, Write]]] = {}
+        for i, w in writes:
+            by_tier.setdefault(w.dst, []).append((i, w))
+        try:
+            await asyncio.gather(
+                *(self._write_tier(j, b, items, frames, layout, results, ticket) for j, b in by_tier.items())
+            )
+        finally:
+            p.inflight.complete(ticket)
+        for name, _ in items:
+            if p.placement.where(name) is None:
+                p.book.discard(name)
+        p.update_gauges()
+        return results
+
+    async def _write_tier(
+        self,
+        j: int,
+        batch: list[tuple[int, Write]],
+        items: Sequence[tuple[str, torch.Tensor]],
+        frames: list[list[memoryview] | None],
+        layout: str,
+        results: list[bool],
+        ticket: Ticket,
+    ) -> None:
+        p = self.p
+        tier = p.tiers[j]
+        same = tier.same_codec(p.tiers[0])
+        payload: list[tuple[str, list[memoryview]]] = []
+        encoded: list[bool] = []
+        for i, w in batch:
+            parts = frames[i]
+            if not same:
+                try:
+                    parts = tier.encode(items[i][1], w.key, layout)
+                except Exception as exc:  # this tier's codec cannot take it: a failed write there
+                    log.warning("kvstore: %s cannot encode %s: %s", p.labels[j], w.key, exc)
+                    encoded.append(False)
+                    continue
+            assert parts is not None  # names that could not be framed have no write
+            encoded.append(True)
+            payload.append((w.key, parts))
+        t0 = time.perf_counter()
+        written = iter(
+            await p.guard.call(j, tier.put_frames(payload), [False] * len(payload), "put", write=True)
+            if payload
+            else []
+        )
+        p.metrics.op_seconds.labels("put", p.labels[j]).observe(time.perf_counter() - t0)
+        ok = [next(written) if e else False for e in encoded]
+        for (i, w), good in zip(batch, ok):
+            name = w.key
+            p.inflight.wrote(ticket, name)
+            if good and name not in p.placement.tiers[j].resident:
+                # evicted by a later chunk of this batch before it landed: a demotion
+                # (waiting for this write) has copied it on, or it was dropped
+                if not p.inflight.copying(name):  # else the name's last copy cleans up
+                    await p.guard.delete(j, [name])
+                results[i] = p.placement.where(name) is not None
+            elif good:
+                results[i] = True
+                p.metrics.bytes_in.labels(p.labels[j], namespace_of(name)).inc(w.size)
+            else:
+                p.metrics.errors.labels("put", p.labels[j]).inc()
+                p.placement.forget(name, j)
