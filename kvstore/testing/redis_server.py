@@ -92,7 +92,7 @@ class RedisServer:
         tls: bool = False,
     ) -> None:
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvstore-redis-")
-        self.dir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
+        self.dir = Path(workdir) if workdir else Path(self._tmp.name if self._tmp else ".")
         self.dir.mkdir(parents=True, exist_ok=True)
         if unix_socket:
             self.socket_path: str | None = (
@@ -235,9 +235,10 @@ class RedisServer:
     # -- talking to it without redis-py (so the helper has no dependencies) -------
     def command(self, *args: str | bytes, timeout: float = 2.0) -> bytes:
         """Send one command, return the raw RESP reply (for readiness checks)."""
+        addr: str | tuple[str, int]
         if self.socket_path:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            addr: object = self.socket_path
+            addr = self.socket_path
         else:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             addr = (self.host, self.port)
@@ -246,7 +247,7 @@ class RedisServer:
             s = ctx.wrap_socket(s, server_hostname=self.host)
         with s:
             s.settimeout(timeout)
-            s.connect(addr)  # type: ignore[arg-type]
+            s.connect(addr)
             out = b""
             if self.password:
                 out += _resp("AUTH", self.password)

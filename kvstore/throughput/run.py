@@ -163,13 +163,16 @@ async def run_bench(
         await baseline.get(i, buffers[w][:size])
 
     def ours_paths() -> list[Path]:
+        from kvstore.backends.disk import DiskBackend
+
         backend = tier.backend
-        return [backend.path_of(n) for n in names] if hasattr(backend, "path_of") else []
+        return [backend.path_of(n) for n in names] if isinstance(backend, DiskBackend) else []
 
     async def one_round() -> dict[str, float]:
         r = await _interleaved(count, concurrency, [("baseline_put", base_put), ("put", ours_put)], tick)
         if cold:
-            _drop_cache([*baseline.paths(), *ours_paths()])  # type: ignore[attr-defined]
+            base_paths = getattr(baseline, "paths", None)
+            _drop_cache([*(base_paths() if base_paths else []), *ours_paths()])
         r |= await _interleaved(count, concurrency, [("baseline_get", base_get), ("get", ours_get)], tick)
         return {k: count * size / MiB / v for k, v in r.items()}
 
