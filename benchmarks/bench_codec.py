@@ -6,14 +6,30 @@ and (decoding on top of reconstructed KV) next-token top-1 agreement, KL and the
 perplexity change.  Prints a markdown report (and writes it with --out).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_codec.py --out docs/benchmarks/codec.md
+
+``--first-chunk`` measures instead what a process pays for its *first* chunk: real
+SmolLM2 KV from the held-out prompts (``heldout-mix``, none used for calibration), one
+fresh process per (round, codec, scenario), one thread (torch and numba), wall and CPU
+seconds of the first encode and the first decode, and where that time goes (kernels,
+table building, framing, the rest).  Scenarios: ``open`` (the codec is constructed as a
+store does at open and its warm-up finishes before the chunk arrives; the warm-up is
+reported on its own) and ``cold`` (the chunk arrives at once: it waits for, or on an
+older kvstore pays, numba's start and the tables); ``--numba-cache empty`` adds a round
+in which numba's on-disk cache is empty (first run after install):
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_codec.py --first-chunk --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -134,7 +150,215 @@ class _Adapter:
         self.encode, self.decode = enc, dec
 
 
+FIRST_CONFIGS = [
+    ("preset=lmcache", {"preset": "lmcache"}),
+    ("profile=smollm2-135m-lmcache", {"profile": "smollm2-135m-lmcache"}),
+    ("profile=smollm2-135m", {"profile": "smollm2-135m"}),
+    ("profile=smollm2-135m-hq", {"profile": "smollm2-135m-hq"}),
+]
+# Functions of kvstore.codec.cachegen (and the frame functions of kvstore.codec.base)
+# timed in the first-chunk child; whatever of the call they do not cover is "other".
+STAGES = {
+    "encode": {
+        "_tables": "tables",
+        "_lut": "tables",
+        "quantize_u16": "quantize",
+        "quantize_f32": "quantize",
+        "choose_tables": "choose tables",
+        "rans_encode": "entropy code",
+        "encode_u16": "quantize+choose+code (fused)",
+        "encode_f32": "quantize+choose+code (fused)",
+        "encode_frame": "frame",
+    },
+    "decode": {
+        "decode_frame": "frame",
+        "parse": "parse",
+        "resolve": "tables",
+        "_tables": "tables",
+        "rans_decode": "entropy decode",
+    },
+}
+
+
+def _clock() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def first_chunk_child(path: str, opts: dict, scenario: str) -> None:
+    """One fresh process: construct the codec, code the chunk at `path` once each way."""
+    t_start = _clock()
+    chunk = torch.load(path)
+    import kvstore.codec.base as base
+    import kvstore.codec.cachegen as cg
+
+    acc: dict[str, list[float]] = {}
+
+    def wrap(mod, name: str) -> None:
+        fn = getattr(mod, name, None)
+        if fn is None:
+            return
+
+        def timed(*a, **k):
+            t0 = _clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                t1 = _clock()
+                v = acc.setdefault(name, [0.0, 0.0])
+                v[0] += t1[0] - t0[0]
+                v[1] += t1[1] - t0[1]
+
+        setattr(mod, name, timed)
+
+    for name in {*STAGES["encode"], *STAGES["decode"]}:
+        wrap(base if name.endswith("_frame") else cg, name)
+    from kvstore.codec import get
+
+    res: dict[str, object] = {"nbytes": chunk.numel() * chunk.element_size()}
+    t0 = _clock()
+    try:
+        codec = get("cachegen", threads=1, **opts, **({"warm": 0} if scenario == "cold" else {}))
+    except TypeError:  # a kvstore from before warm-up: every scenario is "cold"
+        codec = get("cachegen", threads=1, **opts)
+    t1 = _clock()
+    res["construct"] = (t1[0] - t0[0], t1[1] - t0[1])
+    wait = getattr(codec, "wait_warm", None)
+    if scenario == "open" and wait is not None:
+        wait()  # a store opens its codecs before its first chunk arrives
+        t2 = _clock()
+        res["warm"] = (t2[0] - t1[0], t2[1] - t1[1])
+    acc.clear()
+    buf = b""
+    for what in ("encode", "decode"):
+        t0 = _clock()
+        if what == "encode":
+            buf = codec.encode(chunk)
+        else:
+            codec.decode(buf)
+        t1 = _clock()
+        stages: dict[str, list[float]] = {}
+        for name, (w, c) in acc.items():
+            v = stages.setdefault(STAGES[what].get(name, name), [0.0, 0.0])
+            v[0] += w
+            v[1] += c
+        res[what] = {"wall": t1[0] - t0[0], "cpu": t1[1] - t0[1], "stages": stages}
+        acc.clear()
+    res["process"] = _clock()[0] - t_start[0]
+    print(json.dumps(res))
+
+
+def first_chunk(args: argparse.Namespace) -> None:
+    lm = kvmodel.load_model()
+    chunks: list[tuple[str, torch.Tensor]] = []
+    for label, text in kvmodel.labelled_texts("heldout-mix"):
+        ids = kvmodel.token_ids(lm, text, args.prefix)
+        kv, _ = kvmodel.capture_kv(lm, ids)
+        chunks += [
+            (f"{label}@{i}", kv[:, :, i : i + args.chunk].half().contiguous())
+            for i in range(0, args.prefix, args.chunk)
+        ]
+    del lm
+    configs = [(n, o) for n, o in FIRST_CONFIGS if not args.configs or n in args.configs.split(",")]
+    scenarios = ["open", "cold"]
+    env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    runs: dict[tuple[str, str], list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = []
+        for i, (_, c) in enumerate(chunks):
+            paths.append(os.path.join(tmp, f"{i}.pt"))
+            torch.save(c, paths[-1])
+        plan = [(r, n, o, sc, None) for r in range(args.rounds) for n, o in configs for sc in scenarios]
+        if args.numba_cache == "empty":
+            plan += [
+                (args.rounds, n, o, "open", os.path.join(tmp, f"numba-{k}"))
+                for k, (n, o) in enumerate(configs)
+            ]
+        for k, (r, name, opts, sc, cache) in enumerate(plan):
+            i = (r * len(configs) + [n for n, _ in configs].index(name)) * 5 % len(chunks)
+            e = dict(env, NUMBA_CACHE_DIR=cache) if cache else env
+            out = subprocess.run(
+                [sys.executable, __file__, "--first-chunk-child", paths[i], json.dumps(opts), sc],
+                env=e,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            rec = json.loads(out.strip().splitlines()[-1])
+            rec["chunk"] = chunks[i][0]
+            runs.setdefault((name, sc if cache is None else "empty numba cache"), []).append(rec)
+            print(
+                f"[{k + 1}/{len(plan)}] {name} {sc}{' (empty numba cache)' if cache else ''} {chunks[i][0]}: "
+                f"encode {rec['nbytes'] / 1e6 / rec['encode']['wall']:.0f} MB/s, decode "
+                f"{rec['nbytes'] / 1e6 / rec['decode']['wall']:.0f} MB/s (wall)",
+                flush=True,
+            )
+    print(first_chunk_report(runs, args))
+
+
+def first_chunk_report(runs: dict[tuple[str, str], list[dict]], args: argparse.Namespace) -> str:
+    def mmm(xs: list[float], fmt: str = "{:.0f}") -> str:
+        return "/".join(fmt.format(x) for x in (min(xs), statistics.median(xs), max(xs)))
+
+    lines = [
+        "| codec | scenario | runs | warm-up at open ms, wall / CPU (median) | first encode MB/s per CPU-s (min/med/max) "
+        "| first encode MB/s wall | first decode MB/s per CPU-s | first decode MB/s wall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, sc), recs in runs.items():
+        mb = [r["nbytes"] / 1e6 for r in recs]
+        warm = [r["warm"] for r in recs if "warm" in r]
+        w = (
+            f"{statistics.median(x[0] for x in warm) * 1e3:.0f} / {statistics.median(x[1] for x in warm) * 1e3:.0f}"
+            if warm
+            else "—"
+        )
+        lines.append(
+            f"| {name} | {sc} | {len(recs)} | {w} | "
+            + " | ".join(
+                mmm([m / r[what][k] for m, r in zip(mb, recs)])
+                for what in ("encode", "decode")
+                for k in ("cpu", "wall")
+            )
+            + " |"
+        )
+    lines += ["", "Where the first chunk's time goes, median ms of CPU over the runs (wall in brackets):", ""]
+    for what in ("encode", "decode"):
+        names = sorted({s for recs in runs.values() for r in recs for s in r[what]["stages"]})
+        lines += [
+            f"| {what}: codec, scenario | total | " + " | ".join(names) + " | other |",
+            "|---|---|" + "---|" * (len(names) + 1),
+        ]
+        for (name, sc), recs in runs.items():
+            cells = []
+            for n in names:
+                vals = [r[what]["stages"].get(n, [0.0, 0.0]) for r in recs]
+                cells.append(
+                    f"{statistics.median(v[1] for v in vals) * 1e3:.1f} ({statistics.median(v[0] for v in vals) * 1e3:.1f})"
+                )
+            other = [
+                (
+                    r[what]["wall"] - sum(v[0] for v in r[what]["stages"].values()),
+                    r[what]["cpu"] - sum(v[1] for v in r[what]["stages"].values()),
+                )
+                for r in recs
+            ]
+            tot = f"{statistics.median(r[what]['cpu'] for r in recs) * 1e3:.1f} ({statistics.median(r[what]['wall'] for r in recs) * 1e3:.1f})"
+            oth = f"{statistics.median(o[1] for o in other) * 1e3:.1f} ({statistics.median(o[0] for o in other) * 1e3:.1f})"
+            lines.append(f"| {name}, {sc} | {tot} | " + " | ".join(cells) + f" | {oth} |")
+        lines.append("")
+    load = os.getloadavg()
+    lines.append(
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, load average {load[0]:.2f} at the end, "
+        f"Python {platform.python_version()}, torch {torch.__version__}; chunks {args.chunk} tokens x "
+        f"[2, 30, {args.chunk}, 192] float16 from `heldout-mix` ({args.prefix}-token prefixes)."
+    )
+    return "\n".join(lines)
+
+
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--first-chunk-child":
+        first_chunk_child(sys.argv[2], json.loads(sys.argv[3]), sys.argv[4])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefix", type=int, default=512, help="prompt tokens (2 chunks of 256)")
     ap.add_argument("--cont", type=int, default=128)
@@ -144,7 +368,20 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--no-lmcache", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--first-chunk", action="store_true", help="first chunk after process start (see module doc)"
+    )
+    ap.add_argument(
+        "--rounds", type=int, default=5, help="--first-chunk: fresh processes per codec and scenario"
+    )
+    ap.add_argument("--configs", default=None, help="--first-chunk: comma-separated codec names to run")
+    ap.add_argument("--numba-cache", choices=("keep", "empty"), default="keep")
     args = ap.parse_args()
+    if args.first_chunk:
+        if args.prefix == 512:
+            args.prefix = 1024
+        first_chunk(args)
+        return
 
     lm = kvmodel.load_model()
     cfg = lm.model.config

@@ -15,7 +15,17 @@ Must not touch: frames (the base class frames payloads), backends, placement.
 Options (``kvstore.codec.get("cachegen", ...)``): ``preset="lmcache"`` (32/16 bins),
 ``profile=PATH|NAME|Profile`` (a calibrated profile; overrides the preset),
 ``model`` (the model's name, checked against the profile's fingerprint when given),
-``num_layers`` (checked against every tensor), ``threads`` (1 or 2 worker threads).
+``num_layers`` (checked against every tensor), ``threads`` (1 or 2 worker threads),
+``warm`` (default on: see below).
+
+Warm-up: a process's first call into the numba kernels initialises numba (about 0.3 s of
+imports) and loads each kernel from numba's on-disk cache (``__pycache__`` beside
+`cachegen_kernels`, or numba's user-wide cache directory when that is read-only; it
+compiles, about 2 s, when neither holds it yet), and a codebook set's flattened tables
+take 20-30 ms to build.  So that the first chunk a store codes does not pay this,
+constructing a codec starts `warm_up` once per process and codebook set on a daemon
+thread (off the event loop of whoever opens the store); the first encode or decode waits
+for it if it has not finished.  ``warm=0`` skips it (the first call then pays instead).
 
 A profile is bound to its model: encoding refuses (`ProfileMismatchError`, a
 `ValueError` naming ``kvstore codec calibrate``) a tensor whose planes, layers or
@@ -25,6 +35,7 @@ channels differ from the fingerprint the profile carries.  Presets fit any model
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,12 +55,10 @@ from kvstore.codec.cachegen_kernels import (
     LANES,
     PROB_BITS,
     STATE_BYTES,
-    choose_tables,
+    encode_f32,
+    encode_u16,
     encoder_tables,
-    quantize_f32,
-    quantize_u16,
     rans_decode,
-    rans_encode,
 )
 from kvstore.codec.cachegen_profile import (
     ModelFingerprint,
@@ -82,6 +91,7 @@ def _bits_to_f32(dtype: torch.dtype) -> np.ndarray:
 
 
 _LUTS: dict[torch.dtype, np.ndarray] = {}
+_NO_LUT = np.empty(0, np.float32)  # float32 input: `encode_f32` reads x itself
 
 
 def _lut(dtype: torch.dtype) -> np.ndarray:
@@ -147,6 +157,77 @@ def _tables(cset: CodebookSet) -> _Tables:
     return t
 
 
+_WARM_LOCK = threading.Lock()
+_WARM: dict[tuple[object, ...], threading.Thread] = {}
+
+
+def _warm_key(codec: CacheGenCodec) -> tuple[object, ...]:
+    if codec.profile is not None:
+        cs = codec.profile.codebooks
+        return ("profile", codec.profile.name, None if cs is None else cs.digest, codec.profile.num_layers)
+    return ("preset", codec.preset, codec.num_layers)
+
+
+def _warm_shapes(codec: CacheGenCodec) -> list[tuple[int, int, int, int]]:
+    """Tiny tensors that take the codec's own path: its profile's model layout (4 tokens),
+    or for a preset enough layers to use both of its bin counts."""
+    T = 4
+    prof = codec.profile
+    if prof is not None and prof.model is not None:
+        fp = prof.model
+        if not fp.mismatch((fp.planes, fp.num_layers, T, fp.key_channels[0])):
+            return [(fp.planes, fp.num_layers, T, fp.key_channels[0])]
+    return [(2, codec.num_layers or 10, T, 64)]
+
+
+def warm_up(codec: CacheGenCodec | None = None) -> None:
+    """Do now, in this thread, what a process's first chunk would otherwise pay for:
+    initialise numba and load every kernel (from numba's on-disk cache, or compile it),
+    build the float16/bfloat16 decode tables and the codec's flattened codebook tables,
+    by coding a few tokens of each dtype through `codec` (the preset if None)."""
+    c = codec if codec is not None else CacheGenCodec(warm=False)
+    if c.profile is not None:
+        _tables(c.profile.codebook_set())
+    shapes = _warm_shapes(c)
+    if c.profile is not None and c.profile.model is None:
+        c = CacheGenCodec(num_layers=c.profile.num_layers, warm=False)  # kernels only
+        shapes = _warm_shapes(c)
+    for shape in shapes:
+        x = torch.linspace(-2.0, 2.0, int(np.prod(shape)), dtype=torch.float32).view(shape)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            c.decode(c.encode(x.to(dtype)))
+
+
+def _warm_in_background(codec: CacheGenCodec) -> threading.Thread | None:
+    key = _warm_key(codec)
+    with _WARM_LOCK:
+        t = _WARM.get(key)
+        if t is None:
+
+            def run() -> None:
+                try:
+                    warm_up(codec)
+                except Exception:  # best effort: a real call reports the error itself
+                    pass
+
+            t = _WARM[key] = threading.Thread(target=run, name="cachegen-warm-up", daemon=True)
+            t.start()
+    return t if t.is_alive() else None
+
+
+def _join_warm_ups() -> None:
+    """Before fork: a child must not inherit numba's compiler lock held by a warm-up."""
+    with _WARM_LOCK:
+        threads = list(_WARM.values())
+    for t in threads:
+        if t is not threading.current_thread():
+            t.join()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_join_warm_ups)
+
+
 def _split(n: int, parts: int) -> list[tuple[int, int]]:
     parts = max(1, min(parts, n))
     cuts = [n * i // parts for i in range(parts + 1)]
@@ -164,6 +245,7 @@ class CacheGenCodec(Codec):
         num_layers: int | None = None,
         threads: int = 1,
         model: str | None = None,
+        warm: bool | int = True,
     ) -> None:
         if profile is not None:
             self.profile: Profile | None = profile if isinstance(profile, Profile) else Profile.load(profile)
@@ -185,6 +267,15 @@ class CacheGenCodec(Codec):
         self.num_layers = num_layers if num_layers is None else int(num_layers)
         self.threads = max(1, int(threads))
         self._presets: dict[int, Profile] = {}
+        self._warming: threading.Thread | None = _warm_in_background(self) if int(warm) else None
+
+    def wait_warm(self) -> None:
+        """Block until this codec's warm-up (if any is running) has finished."""
+        t = self._warming
+        if t is not None:
+            if t is not threading.current_thread():
+                t.join()
+            self._warming = None
 
     # ---- configuration -------------------------------------------------------------
 
@@ -203,6 +294,14 @@ class CacheGenCodec(Codec):
             p = self._presets[layers] = Profile(f"{self.preset}-{layers}", k, v)
         return p
 
+    def _run_ranges(self, fn, ranges: list[tuple[int, int]], *args: Any) -> list[Any]:
+        """fn(*args, start, s0, s1) per range (the last argument is the list of starts)."""
+        *fixed, starts = args
+        if len(ranges) == 1:
+            return [fn(*fixed, starts[0], *ranges[0])]
+        futs = [_pool().submit(fn, *fixed, st, a, b) for st, (a, b) in zip(starts, ranges)]
+        return [f.result() for f in futs]
+
     def _run(self, fn, n: int, *args: Any) -> list[int]:
         if self.threads == 1 or n < 2:
             return [fn(*args, 0, n)]
@@ -212,6 +311,8 @@ class CacheGenCodec(Codec):
     # ---- encode --------------------------------------------------------------------
 
     def encode_parts(self, tensor: torch.Tensor, *, layout: str = "KV_2LTD") -> Encoded:
+        if self._warming is not None:
+            self.wait_warm()
         if tensor.device.type != "cpu":
             raise ValueError("cachegen encodes CPU tensors; copy device tensors to host first")
         if tensor.dim() != 4 or tensor.shape[0] not in (1, 2) or min(tensor.shape) < 1:
@@ -234,42 +335,59 @@ class CacheGenCodec(Codec):
         flat_bins = bins.reshape(S)
         maxq = np.array([bins_to_max(int(b)) for b in flat_bins], dtype=np.int32)
         alphas = np.array([alphabet(int(b)) for b in flat_bins])
-        amax = int(alphas.max())
 
         x = tensor.contiguous().view(S, T, C)
-        q = np.empty((S, T, C), np.uint8)
         scales = np.empty((S, T), np.float32)
-        hist = np.empty((S, C, amax), np.int32)
         chs = _channel_scales(cset, P, L, C)
         inv = np.ones((S, C), np.float32) if chs is None else (np.float32(1.0) / chs)
+        base = np.array([tabs.base[int(a)] for a in alphas], np.int64)
+        ksize = np.array([tabs.size[int(a)] for a in alphas], np.int64)
+        gtab = np.empty((S, C), np.int32)
+        lengths = np.empty(S, np.int64)
+        if tensor.dtype == torch.float32:
+            kernel, xk, lut = encode_f32, x.numpy(), _NO_LUT
+        else:
+            kernel, xk, lut = encode_u16, x.view(torch.int16).numpy().view(np.uint16), _lut(tensor.dtype)
+        # One buffer for the whole payload, sized for the worst case (streams of 2 bytes
+        # a symbol); only the pages written are ever touched.
+        head = pack_head(
+            Layout(P, L, T, C, dname, dname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None)
+        )
+        cap = STATE_BYTES + 2 * T * C
         # Scales are stored in the tensor's dtype: exact without channel scales (they are
         # input magnitudes); with them, rounded up before quantizing, float32 on overflow.
         sdtype = tensor.dtype
         for _ in range(2):
             mode = 0 if chs is None or sdtype == torch.float32 else (1 if sdtype == torch.float16 else 2)
-            if tensor.dtype == torch.float32:
-                bad = self._run(quantize_f32, S, x.numpy(), inv, mode, maxq, q, scales, hist)
-            else:
-                xb = x.view(torch.int16).numpy().view(np.uint16)
-                bad = self._run(quantize_u16, S, xb, _lut(tensor.dtype), inv, mode, maxq, q, scales, hist)
-            if -2 not in bad:
+            o_streams = len(head) + S + S * C + 4 * S + S * T * itemsize(dtype_name(sdtype))
+            out = np.empty(o_streams + S * cap, np.uint8)
+            ranges = _split(S, self.threads if S > 1 else 1)
+            res = self._run_ranges(
+                kernel,
+                ranges,
+                xk,
+                lut,
+                inv,
+                mode,
+                maxq,
+                scales,
+                alphas.astype(np.int64),
+                base,
+                ksize,
+                tabs.clt,
+                tabs.enc,
+                gtab,
+                lengths,
+                out,
+                [o_streams + a * cap for a, _ in ranges],
+            )
+            if all(r != -2 for r, _ in res):
                 break
             sdtype = torch.float32
-        if any(b >= 0 for b in bad):
-            s = next(b for b in bad if b >= 0)
+        if any(r >= 0 for r, _ in res):
+            s = next(r for r, _ in res if r >= 0)
             raise ValueError(f"cachegen cannot encode inf/NaN (plane {s // L}, layer {s % L})")
-
-        # Cheapest table per channel.
-        base = np.array([tabs.base[int(a)] for a in alphas], np.int64)
-        ksize = np.array([tabs.size[int(a)] for a in alphas], np.int64)
-        gtab = np.empty((S, C), np.int32)
-        self._run(choose_tables, S, hist, alphas.astype(np.int64), base, ksize, tabs.clt, gtab)
         choice = (gtab - base[:, None]).astype(np.uint8)
-
-        cap = STATE_BYTES + 2 * T * C
-        scratch = np.empty((S, cap), np.uint8)
-        lengths = np.empty(S, np.int64)
-        self._run(rans_encode, S, q, gtab, tabs.enc, scratch, lengths)
 
         sc = torch.from_numpy(scales).to(sdtype)
         sc_bytes = sc.view(torch.uint8).numpy() if sdtype == torch.float32 else sc.view(torch.int16).numpy()
@@ -277,8 +395,17 @@ class CacheGenCodec(Codec):
         lay = Layout(P, L, T, C, dname, sname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None)
         head = pack_head(lay)
         nstream = int(lengths.sum())
-        size = len(head) + S + S * C + 4 * S + S * T * itemsize(sname) + nstream
-        out = np.empty(size, np.uint8)
+        o = len(head) + S + S * C + 4 * S + S * T * itemsize(sname)
+        size = o + nstream
+        # Streams were coded right after the scales, or with several threads, each range
+        # at its worst-case offset: close the gaps (numpy copies overlapping ranges right).
+        for (a, _), (_, end) in zip(ranges, res):
+            src = o_streams + a * cap
+            n = end - src
+            if src != o:
+                out[o : o + n] = out[src:end]
+            o += n
+        assert o == size
         o = 0
         for part in (
             np.frombuffer(head, np.uint8),
@@ -289,13 +416,8 @@ class CacheGenCodec(Codec):
         ):
             out[o : o + part.size] = part
             o += part.size
-        for s in range(S):
-            n = int(lengths[s])
-            out[o : o + n] = scratch[s, cap - n :]
-            o += n
-        assert o == size
         return Encoded(
-            parts=[memoryview(out)],
+            parts=[memoryview(out[:size])],
             dtype=dname,
             shape=(P, L, T, C),
             layout=layout,
@@ -307,6 +429,8 @@ class CacheGenCodec(Codec):
     def decode_payload(
         self, payload: memoryview, header: FrameHeader, out: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if self._warming is not None:
+            self.wait_warm()
         sec = parse(payload)
         lay = sec.layout
         shape = (lay.planes, lay.layers, lay.tokens, lay.channels)
@@ -352,7 +476,9 @@ class CacheGenCodec(Codec):
         offs = np.zeros(S + 1, np.int64)
         np.cumsum(sec.stream_bytes, out=offs[1:])
         data = np.frombuffer(sec.streams, dtype=np.uint8)
-        out32 = np.empty((S, lay.tokens, lay.channels), np.float32)
+        if data.flags.writeable:  # one kernel signature (and one cache entry) for every buffer
+            data = data.view()
+            data.flags.writeable = False
         dtype = getattr(torch, lay.dtype)
         if out is not None:
             if tuple(out.shape) != shape or out.dtype != dtype:
@@ -360,8 +486,6 @@ class CacheGenCodec(Codec):
             result = out
         else:
             result = torch.empty(shape, dtype=dtype)
-        target = result.view(S, lay.tokens, lay.channels) if result.is_contiguous() else None
-        o32 = torch.from_numpy(out32)
         scn = sc.numpy()
         try:
             chs = _channel_scales(cset, lay.planes, lay.layers, lay.channels) if lay.channel_scaled else None
@@ -372,20 +496,29 @@ class CacheGenCodec(Codec):
         if chs is None:
             chs = np.ones((S, lay.channels), np.float32)
 
+        # The kernel writes the result's own dtype straight into a contiguous CPU tensor
+        # (float16/bfloat16 rounded as torch rounds); anything else gets a float32 decode
+        # and a copy.
+        mode = {"float32": 0, "float16": 1, "bfloat16": 2}[lay.dtype]
+        direct = result.device.type == "cpu" and result.is_contiguous() and not result.requires_grad
+        if direct:
+            flat = result.view(S, lay.tokens, lay.channels)
+            dst = flat.numpy() if mode == 0 else flat.view(torch.int16).numpy().view(np.uint16)
+        else:
+            mode = 0
+            dst = np.empty((S, lay.tokens, lay.channels), np.float32)
+
         def work(s0: int, s1: int) -> int:
-            bad = rans_decode(
-                data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, scn, chs, out32, s0, s1
+            return rans_decode(
+                data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, scn, chs, dst, mode, s0, s1
             )
-            if bad < 0 and target is not None:
-                target[s0:s1].copy_(o32[s0:s1])  # float32 -> dtype, GIL released
-            return bad
 
         bad = self._run(work, S)
         if any(b >= 0 for b in bad):
             s = next(b for b in bad if b >= 0)
             raise CacheGenPayloadError(f"cachegen stream {s} is malformed (truncated or corrupt)")
-        if target is None:
-            result.copy_(o32.view(shape))
+        if not direct:
+            result.copy_(torch.from_numpy(dst).view(shape))
         return result
 
 
@@ -396,4 +529,5 @@ __all__ = [
     "Profile",
     "ProfileMismatchError",
     "check_bins",
+    "warm_up",
 ]

@@ -200,6 +200,22 @@ def encoder_tables(freq, cum):
     return np.ascontiguousarray(enc)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _put(x, es, buf, p):
+    """Encode one symbol (encoder entry `es`) on state `x`, writing a renormalisation word
+    below position `p` of `buf` when needed; returns (state, position).  Branch-free: the
+    word is always stored at p-2, and p only moves down when it is kept (the bytes below
+    p are not yet written, and p-2 >= STATE_BYTES-2 by the scratch size, so nothing is
+    lost).  Renormalisation happens for about a quarter of the symbols in no predictable
+    pattern, so a branch here mispredicts often."""
+    r = np.int64(x >= es[4])
+    buf[p - 2] = x & 0xFF
+    buf[p - 1] = (x >> 8) & 0xFF
+    p -= 2 * r
+    x >>= 16 * r
+    return x + es[2] + (((x * es[0]) >> 32) >> es[1]) * es[3], p
+
+
 @njit(nogil=True, cache=True)
 def rans_encode(q, tab, enc, scratch, lengths, s0, s1):
     """Code streams [s0, s1): q uint8 [S,T,C], tab int32 [S,C] (global table per channel),
@@ -218,16 +234,8 @@ def rans_encode(q, tab, enc, scratch, lengths, s0, s1):
         for c in range(C - 1, -1, -1):
             e = enc[tab[s, c]]
             for t in range(T - 1, -1, -1):
-                es = e[q[s, t, c]]
                 lane = i & (LANES - 1)
-                x = xs[lane]
-                if x >= es[4]:
-                    p -= 2
-                    buf[p] = x & 0xFF
-                    buf[p + 1] = (x >> 8) & 0xFF
-                    x >>= 16
-                qq = ((x * es[0]) >> 32) >> es[1]
-                xs[lane] = x + es[2] + qq * es[3]
+                xs[lane], p = _put(xs[lane], e[q[s, t, c]], buf, p)
                 i -= 1
         p -= STATE_BYTES
         for j in range(LANES):
@@ -237,17 +245,45 @@ def rans_encode(q, tab, enc, scratch, lengths, s0, s1):
         lengths[s] = cap - p
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _f16_bits(f):
+    """float32 -> float16 bits, rounded to nearest even, overflow to inf: the FP16
+    library's `fp16_ieee_from_fp32_value` (what torch's float -> half conversion computes)
+    in float32 arithmetic.  NaN gives 0x7E00 (decoded values are never NaN)."""
+    base = (abs(f) * np.float32(5.192296858534828e33)) * np.float32(7.703719777548943e-34)
+    w = np.int64(np.float32(f).view(np.uint32))
+    shl1 = (w + w) & 0xFFFFFFFF
+    sign = w & 0x80000000
+    bias = max(shl1 & 0xFF000000, 0x71000000)
+    base = np.float32(np.uint32((bias >> 1) + 0x07800000).view(np.float32) + base)
+    bits = np.int64(np.float32(base).view(np.uint32))
+    nonsign = ((bits >> 13) & 0x7C00) + (bits & 0x0FFF)
+    return (sign >> 16) | (0x7E00 if shl1 > 0xFF000000 else nonsign)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _bf16_bits(f):
+    """float32 -> bfloat16 bits, rounded to nearest even (torch's conversion; no NaN here)."""
+    u = np.int64(np.float32(f).view(np.uint32))
+    return ((u + ((u >> 16) & 1) + 0x7FFF) >> 16) & 0xFFFF
+
+
 @njit(nogil=True, cache=True)
-def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, s0, s1):
-    """Decode and dequantize streams [s0, s1) into out float32 [S,T,C].
+def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, mode, s0, s1):
+    """Decode and dequantize streams [s0, s1) into out [S,T,C].
 
     data uint8 (all streams), offs int64 [S+1] byte offsets, tab int32 [S,C], lut uint8
     [NT, PROB_SCALE] slot->symbol, vals float32 dequantization table with stream s's
-    entries at vbase[s], scales float32 [S,T], chs float32 [S,C] channel scales.  Every read is bounds-checked; returns -1
-    on success, else the index of the first stream that is malformed.
+    entries at vbase[s], scales float32 [S,T], chs float32 [S,C] channel scales.  Values
+    are computed in float32 and stored as they are (`mode` 0, out float32) or as the bits
+    of float16 (1) or bfloat16 (2) in a uint16 `out`, rounded as torch rounds, so the
+    result is the float32 decode converted by torch, without the float32 copy.  Every
+    read is bounds-checked; returns -1 on success, else the index of the first stream
+    that is malformed.
     """
     _, T, C = out.shape
     xs = np.empty(LANES, np.int64)
+    tmp = np.empty((T, C), np.float32)  # one stream (192 KiB at 256 x 192)
     mask = PROB_SCALE - 1
     for s in range(s0, s1):
         p = offs[s]
@@ -263,6 +299,13 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
             xs[j] = x
         p += STATE_BYTES
         vb = vbase[s]
+        sc = scales[s]
+        os_ = out[s]
+        # Refills are branch-free (see `_put`): the next word is always read, at most at
+        # end - 2 so reads stay inside the stream, and only consumed when the state is
+        # below RANS_L.  A stream that runs past its end is caught once per channel (its
+        # reads were clamped, its output is discarded with the error).
+        last = end - 2
         i = 0
         for c in range(C):
             k = tab[s, c]
@@ -276,17 +319,80 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
                 slot = x & mask
                 sym = lk[slot]
                 x = np.int64(fr[sym]) * (x >> PROB_BITS) + slot - np.int64(cu[sym])
-                if x < RANS_L:
-                    if p + 2 > end:
-                        return s
-                    x = (x << 16) | np.int64(data[p]) | (np.int64(data[p + 1]) << 8)
-                    p += 2
-                xs[lane] = x
-                out[s, t, c] = vals[vb + sym] * scales[s, t] * cs
+                r = np.int64(x < RANS_L)
+                pp = min(p, last)
+                w = np.int64(data[pp]) | (np.int64(data[pp + 1]) << 8)
+                xs[lane] = (x << (16 * r)) | (w & -r)
+                p += 2 * r
+                tmp[t, c] = vals[vb + sym] * sc[t] * cs
                 i += 1
+            if p > end:
+                return s
         if p != end:
             return s
         for j in range(LANES):
             if xs[j] != RANS_L:
                 return s
+        # The stream's values, in cache, to the output in one vectorizable pass.
+        if mode == 0:
+            for t in range(T):
+                for c in range(C):
+                    os_[t, c] = tmp[t, c]
+        elif mode == 1:
+            for t in range(T):
+                for c in range(C):
+                    os_[t, c] = _f16_bits(tmp[t, c])
+        else:
+            for t in range(T):
+                for c in range(C):
+                    os_[t, c] = _bf16_bits(tmp[t, c])
     return -1
+
+
+def _make_stream_coder(quantize):
+    """A kernel that quantizes (with `quantize`), chooses tables for and codes streams
+    [s0, s1) one at a time, through buffers of one stream that stay in cache (the
+    chunk's symbols are never all materialised), writing the coded streams one after
+    another into out[start:].  Each step is the kernel above on that one stream, so the
+    bytes are theirs.  Returns (-1, end), or (s, _) for a stream holding inf/NaN, or
+    (-2, _) when a float16 scale overflows (see `quantize_f32`)."""
+
+    @njit(nogil=True, cache=True)
+    def code_streams(
+        x, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
+    ):
+        _, T, C = x.shape
+        cap = STATE_BYTES + 2 * T * C
+        q = np.empty((1, T, C), np.uint8)
+        hist = np.empty((1, C, clt.shape[0]), np.int32)
+        scratch = np.empty((1, cap), np.uint8)
+        o = start
+        for s in range(s0, s1):
+            r = quantize(x[s : s + 1], lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist)
+            if r != -1:
+                return (s if r >= 0 else r), o
+            choose_tables(
+                hist, alpha[s : s + 1], base[s : s + 1], ksize[s : s + 1], clt, tab[s : s + 1], 0, 1
+            )
+            rans_encode(q, tab[s : s + 1], enc, scratch, lengths[s : s + 1], 0, 1)
+            n = lengths[s]
+            out[o : o + n] = scratch[0, cap - n :]
+            o += n
+        return -1, o
+
+    return code_streams
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _quantize_one_u16(x, lut, inv, mode, maxq, q, scales, hist):
+    return quantize_u16(x, lut, inv, mode, maxq, q, scales, hist, 0, 1)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _quantize_one_f32(x, lut, inv, mode, maxq, q, scales, hist):
+    return quantize_f32(x, inv, mode, maxq, q, scales, hist, 0, 1)
+
+
+# x uint16 (16-bit floats as raw bits, lut their float32 values) or float32 (lut unused).
+encode_u16 = _make_stream_coder(_quantize_one_u16)
+encode_f32 = _make_stream_coder(_quantize_one_f32)

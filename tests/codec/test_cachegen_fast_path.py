@@ -1,0 +1,69 @@
+"""The cachegen fast paths: direct float16/bfloat16 output, warm-up, one decode signature."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from kvstore.codec import get
+from kvstore.codec.cachegen import CacheGenCodec, warm_up
+from kvstore.codec.cachegen_kernels import _bf16_bits, _f16_bits
+
+
+@njit(cache=False)
+def _convert(x, o16, ob):
+    for i in range(x.shape[0]):
+        o16[i] = _f16_bits(x[i])
+        ob[i] = _bf16_bits(x[i])
+
+
+def test_half_conversions_match_torch_bit_for_bit():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**32, 300_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array(
+        [0.0, 65504, 65519.99, 65520, 65536, 6.1035e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-10, np.inf, 3.4e38],
+        np.float32,
+    )
+    x = np.concatenate([x[np.isfinite(x)], edges, -edges, np.linspace(-7e4, 7e4, 100_001, dtype=np.float32)])
+    o16 = np.empty(x.shape, np.uint16)
+    ob = np.empty(x.shape, np.uint16)
+    _convert(x, o16, ob)
+    t = torch.from_numpy(x)
+    assert (o16 == t.half().view(torch.int16).numpy().view(np.uint16)).all()
+    assert (ob == t.bfloat16().view(torch.int16).numpy().view(np.uint16)).all()
+
+
+def test_decode_into_strided_or_float32_out_equals_plain_decode():
+    torch.manual_seed(0)
+    c = get("cachegen", preset="lmcache")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x = torch.randn(2, 12, 20, 64).to(dtype)
+        buf = c.encode(x)
+        y = c.decode(buf)
+        big = torch.zeros(2, 12, 20, 128, dtype=dtype)
+        frame_view = big[..., :64]  # not contiguous: decoded as float32, then copied
+        from kvstore.frame import decode_frame
+
+        f = decode_frame(buf)
+        c.decode_payload(f.payload, f.header, out=frame_view)
+        assert torch.equal(frame_view, y)
+        assert torch.equal(c.decode_payload(f.payload, f.header), y)
+
+
+def test_writable_and_read_only_buffers_decode_alike():
+    c = get("cachegen", preset="lmcache")
+    x = torch.randn(2, 10, 16, 64).half()
+    buf = c.encode(x)
+    assert torch.equal(c.decode(buf), c.decode(bytearray(buf)))
+
+
+def test_warm_up_runs_once_and_codecs_wait_for_it():
+    warm_up()  # synchronous, the preset
+    c = CacheGenCodec(profile="smollm2-135m")
+    c.wait_warm()
+    assert c._warming is None
+    cold = CacheGenCodec(preset="lmcache", warm=0)
+    assert cold._warming is None
+    x = torch.randn(2, 30, 8, 192).half()
+    assert torch.equal(cold.decode(c.encode(x)), c.decode(c.encode(x)))
