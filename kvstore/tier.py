@@ -229,7 +229,10 @@ class Tier:
     ) -> list[torch.Tensor | None]:
         """Tensors for `names` (None = miss, or declined).  With `out`, each hit is
         written there (see `Out`).  Without `out` or `alloc`, raw tensors share the read
-        buffer (no copy)."""
+        buffer (no copy).  With a target for every name and no `alloc`, this is the read
+        a store makes (`read_into`: streamed where the backend can)."""
+        if alloc is None and out is not None and all(o is not None for o in out):
+            return [r.tensor for r in await self.read_into(names, out, BufferPool(max_bytes=0))]
         frames = await self._frames(names, alloc)
         return [r.tensor for r in await self._decode(names, frames, out)]
 
