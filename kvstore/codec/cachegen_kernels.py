@@ -349,40 +349,6 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
     return -1
 
 
-def _make_stream_coder(quantize):
-    """A kernel that quantizes (with `quantize`), chooses tables for and codes streams
-    [s0, s1) one at a time, through buffers of one stream that stay in cache (the
-    chunk's symbols are never all materialised), writing the coded streams one after
-    another into out[start:].  Each step is the kernel above on that one stream, so the
-    bytes are theirs.  Returns (-1, end), or (s, _) for a stream holding inf/NaN, or
-    (-2, _) when a float16 scale overflows (see `quantize_f32`)."""
-
-    @njit(nogil=True, cache=True)
-    def code_streams(
-        x, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
-    ):
-        _, T, C = x.shape
-        cap = STATE_BYTES + 2 * T * C
-        q = np.empty((1, T, C), np.uint8)
-        hist = np.empty((1, C, clt.shape[0]), np.int32)
-        scratch = np.empty((1, cap), np.uint8)
-        o = start
-        for s in range(s0, s1):
-            r = quantize(x[s : s + 1], lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist)
-            if r != -1:
-                return (s if r >= 0 else r), o
-            choose_tables(
-                hist, alpha[s : s + 1], base[s : s + 1], ksize[s : s + 1], clt, tab[s : s + 1], 0, 1
-            )
-            rans_encode(q, tab[s : s + 1], enc, scratch, lengths[s : s + 1], 0, 1)
-            n = lengths[s]
-            out[o : o + n] = scratch[0, cap - n :]
-            o += n
-        return -1, o
-
-    return code_streams
-
-
 @njit(nogil=True, cache=True, inline="always")
 def _quantize_one_u16(x, lut, inv, mode, maxq, q, scales, hist):
     return quantize_u16(x, lut, inv, mode, maxq, q, scales, hist, 0, 1)
@@ -393,6 +359,59 @@ def _quantize_one_f32(x, lut, inv, mode, maxq, q, scales, hist):
     return quantize_f32(x, inv, mode, maxq, q, scales, hist, 0, 1)
 
 
-# x uint16 (16-bit floats as raw bits, lut their float32 values) or float32 (lut unused).
-encode_u16 = _make_stream_coder(_quantize_one_u16)
-encode_f32 = _make_stream_coder(_quantize_one_f32)
+# Streams one at a time, through buffers of one stream that stay in cache (the chunk's
+# symbols are never all materialised), coded streams written one after another into
+# out[start:].  Each step is the kernel above on that one stream, so the bytes are
+# theirs.  Both return (-1, end), or (s, _) for a stream holding inf/NaN, or (-2, _)
+# when a float16 scale overflows (see `quantize_f32`).  Two top-level functions, not one
+# made by a factory: numba caches only module-level functions on disk.
+
+
+@njit(nogil=True, cache=True)
+def encode_u16(
+    x, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
+):
+    """Quantize, choose tables for and code streams [s0, s1) of 16-bit floats (x uint16 bits, lut their float32 values)."""
+    _, T, C = x.shape
+    cap = STATE_BYTES + 2 * T * C
+    q = np.empty((1, T, C), np.uint8)
+    hist = np.empty((1, C, clt.shape[0]), np.int32)
+    scratch = np.empty((1, cap), np.uint8)
+    o = start
+    for s in range(s0, s1):
+        r = _quantize_one_u16(
+            x[s : s + 1], lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist
+        )
+        if r != -1:
+            return (s if r >= 0 else r), o
+        choose_tables(hist, alpha[s : s + 1], base[s : s + 1], ksize[s : s + 1], clt, tab[s : s + 1], 0, 1)
+        rans_encode(q, tab[s : s + 1], enc, scratch, lengths[s : s + 1], 0, 1)
+        n = lengths[s]
+        out[o : o + n] = scratch[0, cap - n :]
+        o += n
+    return -1, o
+
+
+@njit(nogil=True, cache=True)
+def encode_f32(
+    x, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
+):
+    """As `encode_u16` for float32 input (lut unused)."""
+    _, T, C = x.shape
+    cap = STATE_BYTES + 2 * T * C
+    q = np.empty((1, T, C), np.uint8)
+    hist = np.empty((1, C, clt.shape[0]), np.int32)
+    scratch = np.empty((1, cap), np.uint8)
+    o = start
+    for s in range(s0, s1):
+        r = _quantize_one_f32(
+            x[s : s + 1], lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist
+        )
+        if r != -1:
+            return (s if r >= 0 else r), o
+        choose_tables(hist, alpha[s : s + 1], base[s : s + 1], ksize[s : s + 1], clt, tab[s : s + 1], 0, 1)
+        rans_encode(q, tab[s : s + 1], enc, scratch, lengths[s : s + 1], 0, 1)
+        n = lengths[s]
+        out[o : o + n] = scratch[0, cap - n :]
+        o += n
+    return -1, o
