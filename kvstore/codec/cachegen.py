@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -294,7 +295,7 @@ class CacheGenCodec(Codec):
             p = self._presets[layers] = Profile(f"{self.preset}-{layers}", k, v)
         return p
 
-    def _run_ranges(self, fn, ranges: list[tuple[int, int]], *args: Any) -> list[Any]:
+    def _run_ranges(self, fn: Callable[..., Any], ranges: list[tuple[int, int]], *args: Any) -> list[Any]:
         """fn(*args, start, s0, s1) per range (the last argument is the list of starts)."""
         *fixed, starts = args
         if len(ranges) == 1:
@@ -302,7 +303,7 @@ class CacheGenCodec(Codec):
         futs = [_pool().submit(fn, *fixed, st, a, b) for st, (a, b) in zip(starts, ranges)]
         return [f.result() for f in futs]
 
-    def _run(self, fn, n: int, *args: Any) -> list[int]:
+    def _run(self, fn: Callable[..., Any], n: int, *args: Any) -> list[int]:
         if self.threads == 1 or n < 2:
             return [fn(*args, 0, n)]
         futs = [_pool().submit(fn, *args, a, b) for a, b in _split(n, self.threads)]
@@ -417,7 +418,7 @@ class CacheGenCodec(Codec):
             out[o : o + part.size] = part
             o += part.size
         return Encoded(
-            parts=[memoryview(out[:size])],
+            parts=[out[:size].data],
             dtype=dname,
             shape=(P, L, T, C),
             layout=layout,

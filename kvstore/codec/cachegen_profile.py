@@ -333,13 +333,13 @@ def resolve(id: str, digest: int, alphabets: list[int]) -> CodebookSet:
             f"payload's builtin tables (digest {digest:016x}) differ from this kvstore's builtin-v1; "
             "it was written by an incompatible build"
         )
-    cs = _SETS.get((id, digest))
-    if cs is None and not _SCANNED:
+    found = _SETS.get((id, digest))
+    if found is None and not _SCANNED:
         _scan()
-        cs = _SETS.get((id, digest))
-    if cs is None:
+        found = _SETS.get((id, digest))
+    if found is None:
         raise UnknownCodebookError(
             f"payload was coded with codebook {id!r} (digest {digest:016x}), which is not loaded; "
             "pass its profile file (get('cachegen', profile=PATH)) or list it in $KVSTORE_CODEC_PROFILES"
         )
-    return cs
+    return found

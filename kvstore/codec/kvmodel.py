@@ -113,7 +113,7 @@ def load_model(path: str | None = None, gguf_file: str | None = None) -> LoadedM
 # chat (multi-turn conversations in the model's chat template; the assistant turns are
 # reference-manual answers to the user's questions).  Calibration and held-out sets use
 # disjoint modules, topics and licences.
-MIX = {
+MIX: dict[str, dict[str, Any]] = {
     "calibration-mix": {
         "code": ("argparse", "difflib"),
         "docs": (("execmodel", "naming", "import"), ("customization", "specialnames", "attribute-access")),

@@ -20,7 +20,7 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.device.type != "cpu":
         raise ValueError("raw codec takes CPU tensors; copy device tensors to host first")
     t = tensor.contiguous().reshape(-1)
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 # Read-only payloads (the memory tier's zero-copy views) make torch warn once per process;
