@@ -338,35 +338,45 @@ class CacheGenCodec(Codec):
         alphas = np.array([alphabet(int(b)) for b in flat_bins])
 
         x = tensor.contiguous().view(S, T, C)
-        scales = np.empty((S, T), np.float32)
+        # The first R tokens of every stream are stored verbatim (a profile's raw_tokens:
+        # the attention sink at the start of a sequence is worth its 16 bits).
+        R = min(prof.raw_tokens, T)
+        Tc = T - R
+        scales = np.empty((S, Tc), np.float32)
         chs = _channel_scales(cset, P, L, C)
         inv = np.ones((S, C), np.float32) if chs is None else (np.float32(1.0) / chs)
         base = np.array([tabs.base[int(a)] for a in alphas], np.int64)
         ksize = np.array([tabs.size[int(a)] for a in alphas], np.int64)
         gtab = np.empty((S, C), np.int32)
         lengths = np.empty(S, np.int64)
+        xk: np.ndarray
         if tensor.dtype == torch.float32:
             kernel, xk, lut = encode_f32, x.numpy(), _NO_LUT
         else:
             kernel, xk, lut = encode_u16, x.view(torch.int16).numpy().view(np.uint16), _lut(tensor.dtype)
         # One buffer for the whole payload, sized for the worst case (streams of 2 bytes
         # a symbol); only the pages written are ever touched.
+        if R and not bool(torch.isfinite(x[:, :R]).all()):
+            bad = int(torch.nonzero(~torch.isfinite(x[:, :R]))[0, 0])
+            raise ValueError(f"cachegen cannot encode inf/NaN (plane {bad // L}, layer {bad % L})")
+        raw = np.ascontiguousarray(xk[:, :R]).reshape(-1).view(np.uint8) if R else np.empty(0, np.uint8)
         head = pack_head(
-            Layout(P, L, T, C, dname, dname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None)
+            Layout(P, L, T, C, dname, dname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None, R)
         )
-        cap = STATE_BYTES + 2 * T * C
+        cap = STATE_BYTES + 2 * Tc * C
         # Scales are stored in the tensor's dtype: exact without channel scales (they are
         # input magnitudes); with them, rounded up before quantizing, float32 on overflow.
         sdtype = tensor.dtype
         for _ in range(2):
             mode = 0 if chs is None or sdtype == torch.float32 else (1 if sdtype == torch.float16 else 2)
-            o_streams = len(head) + S + S * C + 4 * S + S * T * itemsize(dtype_name(sdtype))
+            o_streams = len(head) + S + S * C + 4 * S + S * Tc * itemsize(dtype_name(sdtype)) + raw.size
             out = np.empty(o_streams + S * cap, np.uint8)
             ranges = _split(S, self.threads if S > 1 else 1)
             res = self._run_ranges(
                 kernel,
                 ranges,
                 xk,
+                R,
                 lut,
                 inv,
                 mode,
@@ -393,10 +403,10 @@ class CacheGenCodec(Codec):
         sc = torch.from_numpy(scales).to(sdtype)
         sc_bytes = sc.view(torch.uint8).numpy() if sdtype == torch.float32 else sc.view(torch.int16).numpy()
         sname = dtype_name(sdtype)
-        lay = Layout(P, L, T, C, dname, sname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None)
+        lay = Layout(P, L, T, C, dname, sname, PROB_BITS, LANES, cset.id, cset.digest, chs is not None, R)
         head = pack_head(lay)
         nstream = int(lengths.sum())
-        o = len(head) + S + S * C + 4 * S + S * T * itemsize(sname)
+        o = len(head) + S + S * C + 4 * S + S * Tc * itemsize(sname) + raw.size
         size = o + nstream
         # Streams were coded right after the scales, or with several threads, each range
         # at its worst-case offset: close the gaps (numpy copies overlapping ranges right).
@@ -414,6 +424,7 @@ class CacheGenCodec(Codec):
             choice.reshape(-1),
             lengths.astype("<u4").view(np.uint8),
             sc_bytes.reshape(-1).view(np.uint8),
+            raw,
         ):
             out[o : o + part.size] = part
             o += part.size
@@ -470,8 +481,12 @@ class CacheGenCodec(Codec):
         vals = np.concatenate(vals_parts)
 
         sdt = getattr(torch, lay.scale_dtype)
-        sraw = torch.frombuffer(bytearray(sec.scales), dtype=torch.uint8)
-        sc = sraw.view(sdt).float().view(S, lay.tokens)
+        sraw = (  # empty when every token is raw
+            torch.frombuffer(bytearray(sec.scales), dtype=torch.uint8)
+            if sec.scales
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        sc = sraw.view(sdt).float().view(S, lay.coded_tokens)
         if not bool(torch.isfinite(sc).all()) or bool((sc < 0).any()):
             raise CacheGenPayloadError("cachegen payload has a negative or non-finite scale")
         offs = np.zeros(S + 1, np.int64)
@@ -509,9 +524,19 @@ class CacheGenCodec(Codec):
             mode = 0
             dst = np.empty((S, lay.tokens, lay.channels), np.float32)
 
+        R = lay.raw_tokens
+        if R:
+            rt = torch.frombuffer(bytearray(sec.raw), dtype=dtype).view(S, R, lay.channels)
+            if not bool(torch.isfinite(rt).all()):
+                raise CacheGenPayloadError("cachegen payload has a non-finite raw token")
+            if mode == 0:
+                dst[:, :R] = rt.float().numpy() if dtype != torch.float32 else rt.numpy()
+            else:
+                dst[:, :R] = rt.view(torch.int16).numpy().view(np.uint16)
+
         def work(s0: int, s1: int) -> int:
             return rans_decode(
-                data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, scn, chs, dst, mode, s0, s1
+                data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, scn, chs, dst, R, mode, s0, s1
             )
 
         bad = self._run(work, S)

@@ -9,6 +9,7 @@ torch reference of its quantizer), files other than the profile it is asked to w
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -27,9 +28,20 @@ LADDER = (8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128)
 PROBE_BINS = 16
 
 
-def fake_quant(x: torch.Tensor, bins: int, cs: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quant(
+    x: torch.Tensor, bins: int, cs: torch.Tensor | None = None, raw: int = 0, chunk: int = 256
+) -> torch.Tensor:
     """The codec's quantize/dequantize in torch (float32), for planes [.., T, C];
-    `cs` [C]: channel scales divided out before and multiplied back after."""
+    `cs` [C]: channel scales divided out before and multiplied back after; the first
+    `raw` tokens of every `chunk` tokens are kept exact (a profile's ``raw_tokens``)."""
+    y = _fake_quant(x, bins, cs)
+    if raw:
+        for t0 in range(0, x.shape[-2], chunk):
+            y[..., t0 : t0 + raw, :] = x[..., t0 : t0 + raw, :].float()
+    return y
+
+
+def _fake_quant(x: torch.Tensor, bins: int, cs: torch.Tensor | None) -> torch.Tensor:
     mx = float(bins_to_max(bins))
     x = x.float()
     if cs is not None:
@@ -42,12 +54,17 @@ def fake_quant(x: torch.Tensor, bins: int, cs: torch.Tensor | None = None) -> to
 
 
 def quantize_planes(
-    kv: torch.Tensor, kbins: list[int], vbins: list[int], cs: torch.Tensor | None = None
+    kv: torch.Tensor,
+    kbins: list[int],
+    vbins: list[int],
+    cs: torch.Tensor | None = None,
+    raw: int = 0,
+    chunk: int = 256,
 ) -> torch.Tensor:
     out = torch.empty_like(kv, dtype=torch.float32)
     for i in range(kv.shape[1]):
-        out[0, i] = fake_quant(kv[0, i], kbins[i], None if cs is None else cs[0, i])
-        out[1, i] = fake_quant(kv[1, i], vbins[i], None if cs is None else cs[1, i])
+        out[0, i] = fake_quant(kv[0, i], kbins[i], None if cs is None else cs[0, i], raw, chunk)
+        out[1, i] = fake_quant(kv[1, i], vbins[i], None if cs is None else cs[1, i], raw, chunk)
     return out
 
 
@@ -62,9 +79,16 @@ def channel_scales(samples: list[kvmodel.Sample], power: float) -> torch.Tensor:
 
 
 def symbol_hists(
-    kv: torch.Tensor, plane: int, layer: int, bins: int, chunk: int, cs: torch.Tensor | None = None
+    kv: torch.Tensor,
+    plane: int,
+    layer: int,
+    bins: int,
+    chunk: int,
+    cs: torch.Tensor | None = None,
+    raw: int = 0,
 ) -> np.ndarray:
-    """Per (channel, chunk) symbol histograms [N, A] of one plane at `bins`."""
+    """Per (channel, chunk) symbol histograms [N, A] of one plane at `bins` (the first
+    `raw` tokens of each chunk are stored raw, not coded)."""
     mx = bins_to_max(bins)
     x = kv[plane, layer].float()
     if cs is not None:
@@ -75,7 +99,7 @@ def symbol_hists(
     a = alphabet(bins)
     out = []
     for s in range(0, q.shape[0], chunk):
-        qc = q[s : s + chunk].T  # [C, t]
+        qc = q[s + raw : s + chunk].T  # [C, t]
         h = torch.zeros(qc.shape[0], a, dtype=torch.int64).scatter_add_(1, qc, torch.ones_like(qc))
         out.append(h.numpy())
     return np.concatenate(out)
@@ -147,6 +171,7 @@ def calibrate(
     files: Sequence[str | os.PathLike[str]] | None = None,
     which: str = "calibration",
     worst: bool = False,
+    raw_tokens: int = 0,
     log: Callable[[str], None] = print,
 ) -> tuple[Profile, Calibration]:
     """Measure, allocate, fit codebooks; return the profile (bound to `lm`'s fingerprint)
@@ -154,7 +179,8 @@ def calibrate(
 
     Calibrates on the builtin set `which`, or on the user's `files` (up to `texts` of
     them).  With `fixed_bins` (K, V bins per layer) only the codebooks are fitted.  With
-    `worst`, the budget must hold on every calibration prompt, not only on their mean."""
+    `worst`, the budget must hold on every calibration prompt, not only on their mean.
+    With `raw_tokens`, the first tokens of every chunk are stored verbatim (measured so)."""
     return calibrate_sweep(
         lm,
         targets=[target_kl],
@@ -169,6 +195,7 @@ def calibrate(
         files=files,
         which=which,
         worst=worst,
+        raw_tokens=raw_tokens,
         log=log,
     )[0]
 
@@ -188,6 +215,7 @@ def calibrate_sweep(
     files: Sequence[str | os.PathLike[str]] | None = None,
     which: str = "calibration",
     worst: bool = False,
+    raw_tokens: int = 0,
     log: Callable[[str], None] = print,
 ) -> list[tuple[Profile, Calibration]]:
     """`calibrate` at several KL budgets, measuring the prompts, sensitivities and bit
@@ -198,17 +226,19 @@ def calibrate_sweep(
     log(f"captured {len(samples)} calibration prompts ({prefix}+{cont} tokens) in {time.time() - t0:.0f}s")
     cs = channel_scales(samples, equalize) if equalize > 0 else None
     many = len(targets) > 1
+    raw = int(raw_tokens)
 
     def done(prof: Profile) -> Profile:
         prof.info["equalize"] = float(equalize) if cs is not None else 0.0
         prof.info["budget_on"] = "every prompt" if worst else "mean"
-        return prof
+        prof.info["raw_tokens"] = raw
+        return dataclasses.replace(prof, raw_tokens=raw)
 
     if fixed_bins is not None:
         kb, vb = [int(b) for b in fixed_bins[0]], [int(b) for b in fixed_bins[1]]
         if len(kb) != L or len(vb) != L:
             raise ValueError(f"fixed bins are for {len(kb)} layers; the model has {L}")
-        q = kvmodel.quality(lm, samples, lambda kv: quantize_planes(kv, kb, vb, cs))
+        q = kvmodel.quality(lm, samples, lambda kv: quantize_planes(kv, kb, vb, cs, raw, chunk))
         log(f"fixed bins: measured KL {q.kl:.2e}, top1 {q.top1:.3f}, dPPL {q.dppl:+.2%}")
         prof, cal = _finish(
             lm,
@@ -227,6 +257,7 @@ def calibrate_sweep(
             name,
             t0,
             log,
+            raw,
         )
         return [(done(prof), cal)]
 
@@ -237,7 +268,7 @@ def calibrate_sweep(
 
             def one(kv: torch.Tensor, p: int = p, i: int = i) -> torch.Tensor:
                 out = kv.clone()
-                out[p, i] = fake_quant(kv[p, i], PROBE_BINS, None if cs is None else cs[p, i])
+                out[p, i] = fake_quant(kv[p, i], PROBE_BINS, None if cs is None else cs[p, i], raw, chunk)
                 return out
 
             sens[p, i] = kvmodel.quality(lm, samples, one).kl
@@ -248,7 +279,7 @@ def calibrate_sweep(
     for p in range(2):
         for i in range(L):
             for j, b in enumerate(LADDER):
-                hs = np.concatenate([symbol_hists(s.kv, p, i, b, chunk, cs) for s in samples])
+                hs = np.concatenate([symbol_hists(s.kv, p, i, b, chunk, cs, raw) for s in samples])
                 bits[p, i, j] = mean_entropy(hs)
 
     # 3. Allocate; verify on the samples and tighten the budget until it holds.
@@ -258,7 +289,9 @@ def calibrate_sweep(
         for _ in range(4):
             flat, pred = allocate(sens.reshape(-1), bits.reshape(2 * L, -1), budget)
             kb, vb = [int(b) for b in flat[:L]], [int(b) for b in flat[L:]]
-            sums = [kvmodel.sample_sums(lm, s, quantize_planes(s.kv, kb, vb, cs)) for s in samples]
+            sums = [
+                kvmodel.sample_sums(lm, s, quantize_planes(s.kv, kb, vb, cs, raw, chunk)) for s in samples
+            ]
             per = [x.quality() for x in sums]
             tot = kvmodel.Sums()
             for x in sums:
@@ -274,25 +307,45 @@ def calibrate_sweep(
             budget *= max(0.3, target_kl / held)
         pname = name if not many else f"{name or lm.name.lower()}-kl{target_kl:g}"
         prof, cal = _finish(
-            lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, pname, t0, log
+            lm,
+            samples,
+            kb,
+            vb,
+            cs,
+            sens,
+            pred,
+            q,
+            target_kl,
+            prefix,
+            cont,
+            chunk,
+            tables,
+            pname,
+            t0,
+            log,
+            raw,
         )
         out.append((done(prof), cal))
     return out
 
 
-def _finish(lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log):
+def _finish(
+    lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log, raw=0
+):
     # 4. Codebooks for every alphabet in use, fitted on the chosen bins.
     hists: dict[int, list[np.ndarray]] = {}
     for p, bl in enumerate((kb, vb)):
         for i, b in enumerate(bl):
-            hists.setdefault(alphabet(b), []).extend(symbol_hists(s.kv, p, i, b, chunk, cs) for s in samples)
+            hists.setdefault(alphabet(b), []).extend(
+                symbol_hists(s.kv, p, i, b, chunk, cs, raw) for s in samples
+            )
     books = {a: fit_codebook(np.concatenate(h), k=tables) for a, h in sorted(hists.items())}
     pname = name or f"{lm.name.lower()}-kl{target_kl:g}"
     cset = CodebookSet(pname, books, None if cs is None else cs.numpy())
     bps = 0.0
     for p, bl in enumerate((kb, vb)):
         for i, b in enumerate(bl):
-            bps += np.mean([mean_entropy(symbol_hists(s.kv, p, i, b, chunk, cs)) for s in samples])
+            bps += np.mean([mean_entropy(symbol_hists(s.kv, p, i, b, chunk, cs, raw)) for s in samples])
     bps /= 2 * len(kb)
     cal = Calibration(kb, vb, sens[0].tolist(), sens[1].tolist(), pred, q.kl, q.top1, q.dppl, float(bps))
     info = {"model": lm.name, "target_kl": target_kl, "prefix": prefix, "cont": cont, "texts": len(samples)}

@@ -9,14 +9,20 @@ Layout, little endian::
     4   H   format version (1)
     6   B   planes P (2: K and V, layout KV_2LTD; 1: MLA)
     7   B   value dtype code        8  B  scale dtype code
-    9   B   probability bits       10  B  rANS lanes           11  B  flags (bit 0: channel scales)
+    9   B   probability bits       10  B  rANS lanes           11  B  flags
+            (bit 0: channel scales; bit 1: raw leading tokens)
     12  I   layers L   16  I  tokens T   20  I  channels C
     24  Q   codebook digest        32  H  codebook id length n, then n bytes of UTF-8
+    with flag bit 1:  H  raw leading tokens R (1 <= R <= T); else R = 0
     then, in order:  bins           u8  [P, L]
                      table choice   u8  [P, L, C]
                      stream bytes   u32 [P, L]
-                     scales         scale dtype [P, L, T]
-                     streams        (each: 4 x u32 rANS states, then 16-bit words)
+                     scales         scale dtype [P, L, T-R]
+                     raw tokens     value dtype [P, L, R, C] (the first R tokens, verbatim)
+                     streams        (each: 4 x u32 rANS states, then 16-bit words; T-R tokens)
+
+A payload without raw tokens (flag bit 1 clear) is laid out exactly as before the flag
+existed, so older payloads parse unchanged.
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ VERSION = 1
 HEAD = struct.Struct("<4sHBBBBBBIIIQH")
 DTYPES = ("float16", "bfloat16", "float32")
 MAX_DIM = 1 << 24
+RAW = struct.Struct("<H")
+FLAG_CHANNEL_SCALES = 1
+FLAG_RAW_TOKENS = 2
 
 
 class CacheGenPayloadError(FrameError):
@@ -52,10 +61,15 @@ class Layout:
     codebook_id: str
     codebook_digest: int
     channel_scaled: bool = False
+    raw_tokens: int = 0  # leading tokens stored verbatim (not quantized)
 
     @property
     def streams(self) -> int:
         return self.planes * self.layers
+
+    @property
+    def coded_tokens(self) -> int:
+        return self.tokens - self.raw_tokens
 
 
 @dataclass(frozen=True)
@@ -64,7 +78,8 @@ class Sections:
     bins: np.ndarray  # uint8 [P, L]
     tables: np.ndarray  # uint8 [P, L, C]
     stream_bytes: np.ndarray  # int64 [P*L]
-    scales: bytes  # raw scale bytes [P, L, T]
+    scales: bytes  # raw scale bytes [P, L, T-R]
+    raw: bytes  # the first R tokens in the value dtype [P, L, R, C] (empty when R = 0)
     streams: memoryview  # all streams, concatenated
     streams_offset: int
 
@@ -84,7 +99,7 @@ def pack_head(lay: Layout) -> bytes:
             DTYPES.index(lay.scale_dtype),
             lay.prob_bits,
             lay.lanes,
-            1 if lay.channel_scaled else 0,
+            (FLAG_CHANNEL_SCALES if lay.channel_scaled else 0) | (FLAG_RAW_TOKENS if lay.raw_tokens else 0),
             lay.layers,
             lay.tokens,
             lay.channels,
@@ -92,6 +107,7 @@ def pack_head(lay: Layout) -> bytes:
             len(cid),
         )
         + cid
+        + (RAW.pack(lay.raw_tokens) if lay.raw_tokens else b"")
     )
 
 
@@ -109,7 +125,7 @@ def parse(payload: memoryview) -> Sections:
         raise CacheGenPayloadError(
             f"cachegen payload version {ver}; this kvstore reads {VERSION} — upgrade kvstore"
         )
-    if planes not in (1, 2) or dcode >= len(DTYPES) or scode >= len(DTYPES) or flags > 1:
+    if planes not in (1, 2) or dcode >= len(DTYPES) or scode >= len(DTYPES) or flags > 3:
         raise CacheGenPayloadError("cachegen header fields out of range")
     if not (0 < layers < MAX_DIM and 0 < tokens < MAX_DIM and 0 < chans < MAX_DIM):
         raise CacheGenPayloadError(f"cachegen dimensions {layers}x{tokens}x{chans} out of range")
@@ -121,6 +137,14 @@ def parse(payload: memoryview) -> Sections:
     except UnicodeDecodeError as exc:
         raise CacheGenPayloadError("cachegen codebook id is not UTF-8") from exc
     off += idlen
+    raw_tokens = 0
+    if flags & FLAG_RAW_TOKENS:
+        if off + RAW.size > n:
+            raise CacheGenPayloadError("cachegen payload truncated in its raw token count")
+        (raw_tokens,) = RAW.unpack_from(payload, off)
+        off += RAW.size
+        if not 1 <= raw_tokens <= tokens:
+            raise CacheGenPayloadError(f"cachegen payload says {raw_tokens} raw tokens of {tokens}")
     lay = Layout(
         planes,
         layers,
@@ -132,10 +156,12 @@ def parse(payload: memoryview) -> Sections:
         lanes,
         cid,
         digest,
-        bool(flags & 1),
+        bool(flags & FLAG_CHANNEL_SCALES),
+        raw_tokens,
     )
     s = lay.streams
-    need = s + s * chans + 4 * s + s * tokens * itemsize(lay.scale_dtype)
+    nraw = s * raw_tokens * chans * itemsize(lay.dtype)
+    need = s + s * chans + 4 * s + s * lay.coded_tokens * itemsize(lay.scale_dtype) + nraw
     if off + need > n:
         raise CacheGenPayloadError(f"cachegen payload truncated: {n} bytes, sections need {off + need}+")
     buf = np.frombuffer(payload, dtype=np.uint8)
@@ -145,11 +171,13 @@ def parse(payload: memoryview) -> Sections:
     off += s * chans
     sb = np.frombuffer(bytes(payload[off : off + 4 * s]), dtype="<u4").astype(np.int64)
     off += 4 * s
-    nsc = s * tokens * itemsize(lay.scale_dtype)
+    nsc = s * lay.coded_tokens * itemsize(lay.scale_dtype)
     scales = bytes(payload[off : off + nsc])
     off += nsc
+    raw = bytes(payload[off : off + nraw])
+    off += nraw
     if off + int(sb.sum()) != n:
         raise CacheGenPayloadError(
             f"cachegen streams take {int(sb.sum())} bytes but {n - off} remain (truncated or padded)"
         )
-    return Sections(lay, bins, tables, sb, scales, payload[off:], off)
+    return Sections(lay, bins, tables, sb, scales, raw, payload[off:], off)

@@ -93,8 +93,9 @@ def _round_scale(m, mode, cell):
 
 
 @njit(nogil=True, cache=True)
-def quantize_f32(x, inv, mode, maxq, q, scales, hist, s0, s1):
-    """x float32 [S,T,C] -> q uint8 [S,T,C], scales float32 [S,T], hist int32 [S,C,A].
+def quantize_f32(x, t0, inv, mode, maxq, q, scales, hist, s0, s1):
+    """x float32 [S,T,C] -> q uint8 [S,T-t0,C], scales float32 [S,T-t0], hist int32 [S,C,A]
+    (tokens t0.. only: the first t0 are stored raw by the caller).
 
     inv float32 [S,C] multiplies each channel first (all ones: LMCache's arithmetic,
     exactly); `mode` rounds scales up to their stored type (see `_round_scale`).
@@ -107,7 +108,7 @@ def quantize_f32(x, inv, mode, maxq, q, scales, hist, s0, s1):
         mx = maxq[s]
         hist[s, :, :] = 0
         iv = inv[s]
-        for t in range(T):
+        for t in range(t0, T):
             xr = x[s, t]
             for c in range(C):
                 row[c] = xr[c] * iv[c]
@@ -117,13 +118,13 @@ def quantize_f32(x, inv, mode, maxq, q, scales, hist, s0, s1):
             m = _round_scale(m, mode, cell)
             if m == np.inf:
                 return -2
-            scales[s, t] = m
-            _quant_row(row, m, mx, q[s, t], hist[s])
+            scales[s, t - t0] = m
+            _quant_row(row, m, mx, q[s, t - t0], hist[s])
     return -1
 
 
 @njit(nogil=True, cache=True)
-def quantize_u16(x, lut, inv, mode, maxq, q, scales, hist, s0, s1):
+def quantize_u16(x, t0, lut, inv, mode, maxq, q, scales, hist, s0, s1):
     """As `quantize_f32` for 16-bit floats given as raw bits and a bits->float32 table."""
     _, T, C = x.shape
     row = np.empty(C, np.float32)
@@ -133,7 +134,7 @@ def quantize_u16(x, lut, inv, mode, maxq, q, scales, hist, s0, s1):
         mx = maxq[s]
         hist[s, :, :] = 0
         iv = inv[s]
-        for t in range(T):
+        for t in range(t0, T):
             xr = x[s, t]
             for c in range(C):
                 row[c] = lut[xr[c]] * iv[c]
@@ -143,8 +144,8 @@ def quantize_u16(x, lut, inv, mode, maxq, q, scales, hist, s0, s1):
             m = _round_scale(m, mode, cell)
             if m == np.inf:
                 return -2
-            scales[s, t] = m
-            _quant_row(row, m, mx, q[s, t], hist[s])
+            scales[s, t - t0] = m
+            _quant_row(row, m, mx, q[s, t - t0], hist[s])
     return -1
 
 
@@ -269,19 +270,21 @@ def _bf16_bits(f):
 
 
 @njit(nogil=True, cache=True)
-def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, mode, s0, s1):
-    """Decode and dequantize streams [s0, s1) into out [S,T,C].
+def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, t0, mode, s0, s1):
+    """Decode and dequantize streams [s0, s1) into out[:, t0:] (out [S,T,C]; the first t0
+    tokens were stored raw and are the caller's to write).
 
     data uint8 (all streams), offs int64 [S+1] byte offsets, tab int32 [S,C], lut uint8
     [NT, PROB_SCALE] slot->symbol, vals float32 dequantization table with stream s's
-    entries at vbase[s], scales float32 [S,T], chs float32 [S,C] channel scales.  Values
+    entries at vbase[s], scales float32 [S,T-t0], chs float32 [S,C] channel scales.  Values
     are computed in float32 and stored as they are (`mode` 0, out float32) or as the bits
     of float16 (1) or bfloat16 (2) in a uint16 `out`, rounded as torch rounds, so the
     result is the float32 decode converted by torch, without the float32 copy.  Every
     read is bounds-checked; returns -1 on success, else the index of the first stream
     that is malformed.
     """
-    _, T, C = out.shape
+    _, TT, C = out.shape
+    T = TT - t0
     xs = np.empty(LANES, np.int64)
     tmp = np.empty((T, C), np.float32)  # one stream (192 KiB at 256 x 192)
     mask = PROB_SCALE - 1
@@ -337,26 +340,26 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
         if mode == 0:
             for t in range(T):
                 for c in range(C):
-                    os_[t, c] = tmp[t, c]
+                    os_[t0 + t, c] = tmp[t, c]
         elif mode == 1:
             for t in range(T):
                 for c in range(C):
-                    os_[t, c] = _f16_bits(tmp[t, c])
+                    os_[t0 + t, c] = _f16_bits(tmp[t, c])
         else:
             for t in range(T):
                 for c in range(C):
-                    os_[t, c] = _bf16_bits(tmp[t, c])
+                    os_[t0 + t, c] = _bf16_bits(tmp[t, c])
     return -1
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _quantize_one_u16(x, lut, inv, mode, maxq, q, scales, hist):
-    return quantize_u16(x, lut, inv, mode, maxq, q, scales, hist, 0, 1)
+def _quantize_one_u16(x, t0, lut, inv, mode, maxq, q, scales, hist):
+    return quantize_u16(x, t0, lut, inv, mode, maxq, q, scales, hist, 0, 1)
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _quantize_one_f32(x, lut, inv, mode, maxq, q, scales, hist):
-    return quantize_f32(x, inv, mode, maxq, q, scales, hist, 0, 1)
+def _quantize_one_f32(x, t0, lut, inv, mode, maxq, q, scales, hist):
+    return quantize_f32(x, t0, inv, mode, maxq, q, scales, hist, 0, 1)
 
 
 # Streams one at a time, through buffers of one stream that stay in cache (the chunk's
@@ -369,10 +372,11 @@ def _quantize_one_f32(x, lut, inv, mode, maxq, q, scales, hist):
 
 @njit(nogil=True, cache=True)
 def encode_u16(
-    x, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
+    x, t0, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
 ):
     """Quantize, choose tables for and code streams [s0, s1) of 16-bit floats (x uint16 bits, lut their float32 values)."""
-    _, T, C = x.shape
+    _, TT, C = x.shape
+    T = TT - t0  # tokens coded (the first t0 are stored raw by the caller)
     cap = STATE_BYTES + 2 * T * C
     q = np.empty((1, T, C), np.uint8)
     hist = np.empty((1, C, clt.shape[0]), np.int32)
@@ -380,7 +384,7 @@ def encode_u16(
     o = start
     for s in range(s0, s1):
         r = _quantize_one_u16(
-            x[s : s + 1], lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist
+            x[s : s + 1], t0, lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist
         )
         if r != -1:
             return (s if r >= 0 else r), o
@@ -394,10 +398,11 @@ def encode_u16(
 
 @njit(nogil=True, cache=True)
 def encode_f32(
-    x, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
+    x, t0, lut, inv, mode, maxq, scales, alpha, base, ksize, clt, enc, tab, lengths, out, start, s0, s1
 ):
     """As `encode_u16` for float32 input (lut unused)."""
-    _, T, C = x.shape
+    _, TT, C = x.shape
+    T = TT - t0  # tokens coded (the first t0 are stored raw by the caller)
     cap = STATE_BYTES + 2 * T * C
     q = np.empty((1, T, C), np.uint8)
     hist = np.empty((1, C, clt.shape[0]), np.int32)
@@ -405,7 +410,7 @@ def encode_f32(
     o = start
     for s in range(s0, s1):
         r = _quantize_one_f32(
-            x[s : s + 1], lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist
+            x[s : s + 1], t0, lut, inv[s : s + 1], mode, maxq[s : s + 1], q, scales[s : s + 1], hist
         )
         if r != -1:
             return (s if r >= 0 else r), o

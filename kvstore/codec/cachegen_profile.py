@@ -37,6 +37,7 @@ from kvstore.codec.cachegen_tables import (
 PROFILE_FORMAT = "kvstore-cachegen-profile"
 PROFILE_VERSION = 1
 PROFILE_DIR = Path(__file__).with_name("profiles")
+MAX_RAW_TOKENS = 64
 
 
 class UnknownCodebookError(CodecUnavailableError):
@@ -186,10 +187,20 @@ class Profile:
     codebooks: CodebookSet | None = None  # None: the builtin parametric set
     info: dict[str, Any] = field(default_factory=dict)
     model: ModelFingerprint | None = None  # None: a profile written before fingerprints
+    # Leading tokens of every chunk stored verbatim instead of quantized (0: none).  An
+    # encoder policy: payloads record their own count, so decoding does not depend on it
+    # and it is not part of the codebook digest.
+    raw_tokens: int = 0
 
     def __post_init__(self) -> None:
         if len(self.key_bins) != len(self.value_bins) or not self.key_bins:
             raise ValueError("a profile needs one K and one V bin count per layer")
+        if isinstance(self.raw_tokens, bool) or not isinstance(self.raw_tokens, int):
+            raise ValueError(f"profile {self.name!r}: raw_tokens must be an integer")
+        if not 0 <= self.raw_tokens <= MAX_RAW_TOKENS:
+            raise ValueError(
+                f"profile {self.name!r}: raw_tokens {self.raw_tokens} out of range 0..{MAX_RAW_TOKENS}"
+            )
         for b in (*self.key_bins, *self.value_bins):
             check_bins(b)
         fp = self.model
@@ -202,11 +213,16 @@ class Profile:
             if cs is not None and (
                 cs.shape[1] != fp.num_layers or fp.mismatch((fp.planes, fp.num_layers, 1, cs.shape[2]))
             ):
-                raise ValueError(f"profile {self.name!r}: channel scales do not fit its model's layout")
+                raise ValueError(
+                    f"profile {self.name!r}: channel scales are shaped {tuple(cs.shape)} (planes, layers, "
+                    f"channels); its model {fp.describe()} needs (2, {fp.num_layers}, {fp.key_channels[0]})"
+                )
 
     def bound_to(self, model: ModelFingerprint) -> Profile:
         """This profile with `model` as its fingerprint (same bins, tables and digest)."""
-        return Profile(self.name, self.key_bins, self.value_bins, self.codebooks, dict(self.info), model)
+        return Profile(
+            self.name, self.key_bins, self.value_bins, self.codebooks, dict(self.info), model, self.raw_tokens
+        )
 
     def check_tensor(self, shape: tuple[int, ...]) -> None:
         """Raise `ProfileMismatchError` unless a KV tensor of `shape` is this profile's model's."""
@@ -242,7 +258,7 @@ class Profile:
         return builtin_set(sorted({alphabet(b) for b in (*self.key_bins, *self.value_bins)}))
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        m: dict[str, Any] = {
             "format": PROFILE_FORMAT,
             "version": PROFILE_VERSION,
             "name": self.name,
@@ -255,6 +271,9 @@ class Profile:
             "model": self.model.to_json() if self.model is not None else None,
             "info": self.info,
         }
+        if self.raw_tokens:  # absent when 0, so older profiles save as they were
+            m["raw_tokens"] = self.raw_tokens
+        return m
 
     def save(self, path: str | os.PathLike[str]) -> None:
         Path(path).write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
@@ -274,6 +293,7 @@ class Profile:
             cset,
             dict(m.get("info") or {}),
             ModelFingerprint.from_json(m["model"]) if m.get("model") else None,
+            m.get("raw_tokens", 0),
         )
         if cset is not None:
             for b in (*p.key_bins, *p.value_bins):
