@@ -15,8 +15,10 @@ Sources, lowest precedence first (later ones override single keys):
 
 ``tiers`` is hottest first: a list of URLs (or ``{"url": ..., "codec": ...}`` maps), or
 one string of URLs separated by ``,`` / whitespace.  Byte budgets live in each URL
-(``mem://hot?capacity=2GiB``, ``file:///var/kv?capacity=50GiB``).  ``cold_codec`` sets
-the codec of the last tier when there are two or more (e.g. ``cachegen``).
+(``mem://hot?capacity=2GiB``, ``file:///var/kv?capacity=50GiB``: the bytes of the tier's
+medium, see `kvstore.tier_options`); each URL's store options are read once, into
+`TierConfig.options`.  ``cold_codec`` sets the codec of the last tier when there are two
+or more (e.g. ``cachegen``).
 
 `build()` opens a `kvstore.tiered.TieredStore`: ``policy`` names its placement policy
 (``chain`` by default; ``lru``, ``lfu``, ``arc``, ``wtinylfu``), and the store finds
@@ -34,11 +36,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
 
 from kvstore.options import kvstore_home, option_float, option_size
 from kvstore.policy import DEFAULT_POLICY, ONLINE_POLICIES
 from kvstore.redact import redact_url
+from kvstore.tier_options import TierOptions, WriteMode
 
 PREFIX = "kvstore."
 ENV_PREFIX = "KVSTORE_"
@@ -61,8 +63,18 @@ class StoreConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class TierConfig:
+    """One tier as configured: its URL as written, its codec, and (read from the URL
+    once, here) the URL its backend is opened with and the store options."""
+
     url: str
     codec: str = "raw"
+    backend_url: str = field(init=False, repr=False, compare=False)
+    options: TierOptions = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        backend_url, options = TierOptions.parse(self.url)
+        object.__setattr__(self, "backend_url", backend_url)
+        object.__setattr__(self, "options", options)
 
     def redacted(self) -> str:
         return redact_url(self.url)
@@ -180,12 +192,27 @@ class StoreConfig:
     # ------------------------------------------------------------------ build
     def build(self):
         """Open the store this config describes (call inside the event loop that will use it)."""
-        from kvstore.tiered import TieredStore
+        from kvstore.tier import Tier
+        from kvstore.tiered import TieredStore, TierSpec
 
-        specs = [(_written_through(t.url) if i else t.url, t.codec) for i, t in enumerate(self.tiers)]
+        specs = [
+            TierSpec.from_options(
+                Tier.open(t.backend_url, t.codec),
+                t.options,
+                policy=self.policy,
+                write=self.write_mode(i),
+                name=f"tier{i}",
+            )
+            for i, t in enumerate(self.tiers)
+        ]
         # each tier answers within half the deadline (a read may try two tiers in turn);
         # a tier that misses it fails fast until it answers again, the others go on
-        return TieredStore.from_urls(specs, policy=self.policy, discover=True, tier_timeout=self.timeout_s / 2)
+        return TieredStore(specs, discover=True, tier_timeout=self.timeout_s / 2)
+
+    def write_mode(self, i: int) -> WriteMode:
+        """Tier `i`'s write mode: its URL's ``write=``, else "through" below the first tier
+        (a chunk reaches the shared, persistent tiers when it is stored)."""
+        return self.tiers[i].options.write or ("through" if i else "back")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -264,23 +291,18 @@ def _parse_tiers(value: Any) -> tuple[TierConfig, ...]:
     tiers = []
     for i, item in enumerate(value):
         if isinstance(item, str):
-            tiers.append(TierConfig(item))
+            url, codec = item, "raw"
         elif isinstance(item, Mapping) and "url" in item and set(item) <= {"url", "codec"}:
-            tiers.append(TierConfig(str(item["url"]), str(item.get("codec", "raw"))))
+            url, codec = str(item["url"]), str(item.get("codec", "raw"))
         else:
             raise StoreConfigError(
                 f"kvstore.tiers[{i}] must be a URL string or {{'url': ..., 'codec': ...}}, got {item!r}"
             )
+        try:
+            tiers.append(TierConfig(url, codec))
+        except ValueError as exc:
+            raise StoreConfigError(f"kvstore.tiers[{i}] ({redact_url(url)}): {exc}") from None
     return tuple(tiers)
-
-
-def _written_through(url: str) -> str:
-    """`url` with ``write=through`` unless it names a write mode already."""
-    parts = urlsplit(url)
-    if any(k == "write" for k, _ in parse_qsl(parts.query, keep_blank_values=True)):
-        return url
-    query = f"{parts.query}&write=through" if parts.query else "write=through"
-    return parts._replace(query=query).geturl()
 
 
 def _parse_float(name: str, value: Any) -> float:

@@ -519,10 +519,7 @@ def store_capacity(cfg: StoreConfig) -> int:
     """What LMCache's L2 eviction may take as this adapter's capacity: the largest tier
     budget when every tier has one (the store can hold no more distinct chunks than
     that), else 0 (some tier is unbounded: LMCache's global eviction stays off)."""
-    from kvstore.options import parse_size
-    from kvstore.tiered import split_store_options
-
-    budgets = [parse_size(split_store_options(t.url)[1].get("capacity")) for t in cfg.tiers]
+    budgets = [t.options.capacity for t in cfg.tiers]
     sized = [b for b in budgets if b]
     return max(sized) if sized and len(sized) == len(budgets) else 0
 

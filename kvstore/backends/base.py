@@ -24,7 +24,11 @@ Primitives (all batched; one call moves many objects):
   cannot be used at all (server unreachable, bucket missing, bad credentials).
 * ``retention_risks() -> [str]`` the ways the store may drop an object it accepted
   without being asked (a byte budget, a TTL, a server's eviction policy), each naming
-  the setting and its fix; empty (the default) when what is written stays until deleted.
+  the setting and its fix; empty when what is written stays until deleted.  The base
+  class answers for `capacity`.
+* ``capacity`` the byte budget a backend that declares ``enforces_capacity`` keeps its
+  medium under (None: unbounded); ``on_evict`` (settable) is told the names it evicted
+  to stay under it, so a store above stops promising them.
 * ``stats() -> BackendStats``, ``close()``.
 * ``capabilities`` (a `Capabilities`): what a backend can do beyond the primitives,
   declared by each backend class, so callers never sniff URLs or attributes.  A backend
@@ -144,6 +148,9 @@ class Capabilities:
         so reading into pooled buffers gains nothing.
     ranged_reads: ``read_heads`` reads only the first bytes of an object.
     server_ttl: the server can expire objects by itself (a TTL option).
+    enforces_capacity: takes a ``capacity`` URL option (bytes of its medium) and keeps
+        the medium under it itself, evicting least recently used objects and telling
+        `Backend.on_evict` which (see `kvstore.tier_options` for what capacity means).
     """
 
     streamed_reads: bool = False
@@ -151,6 +158,7 @@ class Capabilities:
     in_memory: bool = False
     ranged_reads: bool = False
     server_ttl: bool = False
+    enforces_capacity: bool = False
 
 
 DEFAULT_MAX_OBJECT = 1 << 30
@@ -166,6 +174,9 @@ class Backend(abc.ABC):
     def __init__(self, url: str) -> None:
         self.url = url
         self.counters = Counters()
+        self.capacity: int | None = None  # bytes of the medium, enforced here (`enforces_capacity`)
+        #: told the names this backend evicted to stay under `capacity` (this process's evictions)
+        self.on_evict: Callable[[builtins.list[str]], None] | None = None
         self.max_object_bytes = DEFAULT_MAX_OBJECT
         self.unlisted: list[tuple[str, str]] = []  # (what, why) a listing could not read
 
@@ -238,11 +249,25 @@ class Backend(abc.ABC):
         """How this store may drop objects it accepted without being asked to, one sentence
         each naming the setting and how to turn it off (empty: objects stay until deleted).
 
-        Backends with a byte budget, expiry or a server that evicts override this, asking
-        the server where the answer lives there.  `kvstore migrate --delete-source`
-        refuses a destination that answers anything.
+        Here: the byte budget (`capacity`).  Backends with expiry or a server that evicts
+        override this, asking the server where the answer lives there.  `kvstore migrate
+        --delete-source` refuses a destination that answers anything.
         """
-        return []
+        if self.capacity is None:
+            return []
+        return [
+            f"{redact_url(self.url)} has a byte budget (capacity={self.capacity}) and evicts the least "
+            "recently used objects to stay under it; open it without capacity="
+        ]
+
+    def evicted(self, names: builtins.list[str]) -> None:
+        """Tell `on_evict` that `names` were evicted to stay under `capacity` (counted)."""
+        self.counters.evictions += len(names)
+        if names and self.on_evict is not None:
+            try:
+                self.on_evict(names)
+            except Exception:
+                log.exception("kvstore: on_evict callback failed")
 
     async def check(self) -> None:  # noqa: B027 - optional hook
         """Raise `BackendUnavailableError` if the backend cannot be used; no-op by default."""

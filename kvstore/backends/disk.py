@@ -78,7 +78,6 @@ from kvstore.backends.base import (
 )
 from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
 from kvstore.backends.stream import STREAM_BLOCK, StreamSink
-from kvstore.eviction import Evictor
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.options import option_int, option_size, parse_bool, url_options
 
@@ -261,7 +260,7 @@ FLUSH_N = 256  # ...or until this many have gathered
 
 class DiskBackend(Backend):
     schemes = ("file",)
-    capabilities = Capabilities(streamed_reads=True, ranged_reads=True)
+    capabilities = Capabilities(streamed_reads=True, ranged_reads=True, enforces_capacity=True)
 
     def __init__(
         self,
@@ -270,7 +269,6 @@ class DiskBackend(Backend):
         capacity: int | None = None,
         fsync: bool = True,
         concurrency: int = 4,
-        evictor: Evictor | None = None,
         url: str | None = None,
         max_object: int | str | None = None,
     ) -> None:
@@ -286,7 +284,6 @@ class DiskBackend(Backend):
             d.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
         self.fsync = fsync
-        self.evictor = evictor  # None: the shared LRU order in the index
         self._sizes: dict[str, int] = {}  # sizes this process has seen (a cache, not the truth)
         self._reading: dict[str, int] = {}
         self._sem = asyncio.Semaphore(concurrency)
@@ -298,9 +295,7 @@ class DiskBackend(Backend):
         self._flush_handle: asyncio.TimerHandle | None = None
         self._flushing: set[asyncio.Future[None]] = set()
         self._closed = False
-        self.index = DiskIndex(
-            self.root / INDEX_FILE, self._walk, self._unlink_object, self._file_size, evictor=evictor
-        )
+        self.index = DiskIndex(self.root / INDEX_FILE, self._walk, self._unlink_object, self._file_size)
         self.index.connect()  # opens the database and reads its totals: no directory walk
         self._opened = self.index.submit(self.index.open, capacity)  # a walk only if never indexed
         self._swept = concurrent.futures.Future[None]()
@@ -589,7 +584,8 @@ class DiskBackend(Backend):
 
     async def _reserve(self, name: str, size: int, writer: str) -> bool:
         """Reserve `size` bytes for `name` in the shared index, evicting the least recently
-        used objects nobody is writing; False if they cannot fit (the budget is kept)."""
+        used objects nobody is writing (told to `on_evict`); False if they cannot fit (the
+        budget is kept)."""
         deadline = time.monotonic() + LEASE_S
         while True:
             touches, published = self._take()
@@ -603,7 +599,9 @@ class DiskBackend(Backend):
                 touches,
                 published,
             )
-            self.counters.evictions += evicted
+            for victim in evicted:
+                self._sizes.pop(victim, None)
+            self.evicted(evicted)
             if status == OK:
                 return True
             if status == FULL or time.monotonic() > deadline:
@@ -714,14 +712,6 @@ class DiskBackend(Backend):
         self.counters.hits += 1
         self.counters.get_bytes += got
         return result
-
-    async def retention_risks(self) -> list[str]:
-        if self.capacity is None:
-            return []
-        return [
-            f"{redact_url(self.url)} has a byte budget (capacity={self.capacity}) and evicts the least "
-            "recently used objects to stay under it; open it without capacity="
-        ]
 
     async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
         return list(await asyncio.gather(*(self._head(n, nbytes) for n in names)))

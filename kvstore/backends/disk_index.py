@@ -33,8 +33,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvstore.eviction import Evictor
-
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
@@ -66,14 +64,11 @@ Stat = Callable[[str], int | None]  # an object's size on disk, None if it is no
 
 
 class DiskIndex:
-    def __init__(
-        self, path: Path, walk: Walk, unlink: Unlink, stat: Stat, evictor: Evictor | None = None
-    ) -> None:
+    def __init__(self, path: Path, walk: Walk, unlink: Unlink, stat: Stat) -> None:
         self.path = path
         self._walk = walk
         self._unlink = unlink
         self._stat = stat
-        self.evictor = evictor  # a process-local policy picks victims first when given
         self._exec = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-disk-index")
         self._conn: sqlite3.Connection | None = None
         self._inode = 0
@@ -224,9 +219,6 @@ class DiskIndex:
             c.execute("INSERT OR REPLACE INTO meta VALUES ('complete', ?)", (str(now),))
         self.complete = True
         self.rebuilt += 1
-        if self.evictor is not None:
-            for name, size, _ in sorted(found, key=lambda e: e[2]):
-                self.evictor.insert(name, size)
         log.info("kvstore disk: indexed %d objects in %.2fs", len(found), time.monotonic() - t0)
 
     def _db(self) -> sqlite3.Connection:
@@ -282,11 +274,6 @@ class DiskIndex:
                     c.execute(
                         "INSERT INTO objects (name, size, atime) VALUES (?, ?, ?)", (name, found, atime)
                     )
-                    if self.evictor is not None:
-                        self.evictor.insert(name, found)
-                    continue
-            if self.evictor is not None:
-                self.evictor.touch(name)
 
     def flush(
         self,
@@ -314,8 +301,6 @@ class DiskIndex:
 
     def _delete(self, c: sqlite3.Connection, name: str) -> None:
         c.execute("DELETE FROM objects WHERE name = ?", (name,))
-        if self.evictor is not None:
-            self.evictor.remove(name)
 
     def drop(self, names: list[str]) -> None:
         """Forget objects whose files this process removed or found gone."""
@@ -334,8 +319,9 @@ class DiskIndex:
         capacity: int | None,
         touches: dict[str, float],
         published: list[tuple[str, int, str]],
-    ) -> tuple[str, int]:
-        """Make room for `size` bytes of `name` and reserve them: (OK | WAIT | FULL, evictions).
+    ) -> tuple[str, list[str]]:
+        """Make room for `size` bytes of `name` and reserve them: (OK | WAIT | FULL, the
+        names evicted).
 
         WAIT: over budget and only objects being written (or read here) are left to evict;
         ask again when one finishes.  FULL: a victim's file could not be removed.  Victims
@@ -343,7 +329,7 @@ class DiskIndex:
         """
         self._db()
         now = time.time()
-        evicted = 0
+        evicted: list[str] = []
         with self._tx() as c:
             self._apply(c, touches, published)
             old = 0
@@ -365,7 +351,7 @@ class DiskIndex:
                         break
                     self._delete(c, victim)
                     need -= vsize
-                    evicted += 1
+                    evicted.append(victim)
                     if need <= capacity:
                         break
                 if status == FULL:
@@ -377,8 +363,6 @@ class DiskIndex:
                     " writer = excluded.writer, lease = excluded.lease",
                     (name, size, now, writer, now + LEASE_S),
                 )
-                if self.evictor is not None:
-                    self.evictor.insert(name, size)
         return status, evicted
 
     @staticmethod
@@ -389,19 +373,6 @@ class DiskIndex:
         self, c: sqlite3.Connection, name: str | None, reading: frozenset[str], skip: set[str], now: float
     ) -> list[tuple[str, int]]:
         """The next few least recently used rows nobody is writing and this process is not reading."""
-        if self.evictor is not None:
-            while True:
-                v = self.evictor.victim(protected=reading | skip | ({name} if name else set()))
-                if v is None:
-                    break
-                row = c.execute("SELECT size, lease FROM objects WHERE name = ?", (v,)).fetchone()
-                if row is None:  # another process removed it
-                    self.evictor.remove(v)
-                    continue
-                if row[1] >= now:
-                    skip.add(v)
-                    continue
-                return [(v, row[0])]
         out: list[tuple[str, int]] = []
         offset = 0
         while not out:

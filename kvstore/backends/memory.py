@@ -1,6 +1,7 @@
 """In-process hot tier: ``mem://NAME?capacity=4GiB``.
 
-Owns: a dict of objects bounded in bytes, evicted by an `Evictor` (LRU by default).
+Owns: a dict of objects bounded in bytes (``capacity``), least recently used evicted
+first; the names evicted go to `Backend.on_evict`.
 Zero-copy on get: the returned memoryview is read-only and shares the stored buffer
 (with `alloc`, the object is copied once into the caller's buffer instead).  A put
 copies each object once into memory it owns, since callers reuse their buffers.
@@ -11,6 +12,7 @@ same store wherever it is opened; ``mem://`` (no name) is private to its instanc
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
@@ -26,14 +28,13 @@ from kvstore.backends.base import (
     as_parts,
     redact_url,
 )
-from kvstore.eviction import Evictor, LRUEvictor
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.options import option_size, url_options
 
 
 @dataclass
 class _Space:
-    objects: dict[str, tuple[bytes, float]] = field(default_factory=dict)
+    objects: OrderedDict[str, tuple[bytes, float]] = field(default_factory=OrderedDict)  # LRU first
     used: int = 0
 
 
@@ -42,18 +43,13 @@ _SHARED: dict[str, _Space] = {}
 
 class MemoryBackend(Backend):
     schemes = ("mem",)
-    capabilities = Capabilities(in_memory=True)
+    capabilities = Capabilities(in_memory=True, enforces_capacity=True)
 
-    def __init__(
-        self, url: str = "mem://", capacity: int | None = None, evictor: Evictor | None = None
-    ) -> None:
+    def __init__(self, url: str = "mem://", capacity: int | None = None) -> None:
         super().__init__(url)
         name = urlsplit(url).netloc
         self._space = _SHARED.setdefault(name, _Space()) if name else _Space()
         self.capacity = capacity
-        self.evictor: Evictor = evictor or LRUEvictor()
-        for key, (data, _) in self._space.objects.items():
-            self.evictor.insert(key, len(data))
 
     @classmethod
     def from_url(cls, url: str) -> MemoryBackend:
@@ -84,7 +80,6 @@ class MemoryBackend(Backend):
             data = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
             self._space.objects[name] = (data, time.time())
             self._space.used += size
-            self.evictor.insert(name, size)
             self.counters.puts += 1
             self.counters.put_bytes += size
             out.append(True)
@@ -95,18 +90,18 @@ class MemoryBackend(Backend):
         if old is None:
             return False
         self._space.used -= len(old[0])
-        self.evictor.remove(name)
         return True
 
     def _make_room(self, size: int) -> None:
         if self.capacity is None:
             return
-        while self._space.used + size > self.capacity:
-            victim = self.evictor.victim()
-            if victim is None:
-                break
+        space = self._space
+        victims = []
+        while space.used + size > self.capacity and space.objects:
+            victim = next(iter(space.objects))  # least recently used
             self._drop(victim)
-            self.counters.evictions += 1
+            victims.append(victim)
+        self.evicted(victims)
 
     async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:
         out: list[memoryview | None] = []
@@ -118,7 +113,7 @@ class MemoryBackend(Backend):
                 out.append(None)
                 continue
             data = entry[0]
-            self.evictor.touch(name)
+            self._space.objects.move_to_end(name)
             self.counters.hits += 1
             self.counters.get_bytes += len(data)
             if alloc is None:
@@ -136,14 +131,6 @@ class MemoryBackend(Backend):
         out = [self._drop(n) for n in names]
         self.counters.deletes += sum(out)
         return out
-
-    async def retention_risks(self) -> list[str]:
-        if self.capacity is None:
-            return []
-        return [
-            f"{redact_url(self.url)} has a byte budget (capacity={self.capacity}) and evicts the least "
-            "recently used objects to stay under it; open it without capacity="
-        ]
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         for name, (data, mtime) in list(self._space.objects.items()):

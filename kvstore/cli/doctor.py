@@ -322,7 +322,6 @@ async def _open_tiers(report: Report, cfg: Any) -> tuple[Any, list[Any]]:
     """(the store the plugins open (`StoreConfig.build`), its tiers).  When it cannot be
     opened: (None, each tier opened alone, or the failed `Check` where that fails)."""
     from kvstore.tier import Tier
-    from kvstore.tiered import split_store_options
 
     try:
         store = cfg.build()
@@ -332,7 +331,7 @@ async def _open_tiers(report: Report, cfg: Any) -> tuple[Any, list[Any]]:
     tiers: list[Any] = []
     for i, t in enumerate(cfg.tiers):
         try:
-            tiers.append(Tier.open(split_store_options(t.url)[0], t.codec))
+            tiers.append(Tier.open(t.backend_url, t.codec))
         except Exception as exc:
             tiers.append(
                 Check(
@@ -514,13 +513,11 @@ def check_reuse(report: Report, cfg: Any, facts: dict[str, Any], store: Any) -> 
 
 
 def _budgets(report: Report, cfg: Any, facts: dict[str, Any], store: Any) -> None:
-    from kvstore.options import parse_size
-    from kvstore.tiered import split_store_options
+    from kvstore.backends import backend_class
 
     caps: list[int | None] = []
     for i, t in enumerate(cfg.tiers):
-        _, opts = split_store_options(t.url)
-        cap = parse_size(opts.get("capacity"))
+        cap = t.options.capacity
         caps.append(cap)
         scheme = urlsplit(t.url).scheme
         label = f"tier{i} budget"
@@ -539,6 +536,11 @@ def _budgets(report: Report, cfg: Any, facts: dict[str, Any], store: Any) -> Non
         detail = f"{t.redacted()}: {_human(cap)}"
         status = OK
         fix = ""
+        if not backend_class(t.url).capabilities.enforces_capacity:  # redis://, s3://
+            detail += (
+                " placed by this process (the backend enforces no budget: several processes may"
+                " together place more; the server's own limits bound the medium)"
+            )
         if scheme == "file":
             path = Path(unquote(urlsplit(t.url).path))
             try:

@@ -12,16 +12,17 @@ Owns: the policy registry.  Policies (all byte-aware, all behind `Policy`):
 ``belady`` offline optimum; needs the future, simulator only
 =========  ==============================================================
 
-`make_policy(name, capacity)` builds one; `PolicyEvictor(policy)` plugs one into a backend
-that takes a `kvstore.eviction.Evictor`.  Multi-tier rules live in `kvstore.policy.engine`.
-Must not touch: I/O, asyncio, clocks.
+`make_policy(name, capacity)` builds one.  Multi-tier rules live in `kvstore.policy.engine`.
+A policy decides placement inside one process (what a store demotes or drops); the hard
+bound of a tier's medium is its backend's own least-recently-used eviction (see
+`kvstore.tier_options`).  Must not touch: I/O, asyncio, clocks.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvstore.policy.base import NO_META, ChunkMeta, Policy, PolicyEvictor
+from kvstore.policy.base import NO_META, ChunkMeta, Policy
 from kvstore.policy.belady import BeladyPolicy
 from kvstore.policy.chain import ChainPolicy
 from kvstore.policy.classic import ARCPolicy, LFUPolicy, LRUPolicy, WTinyLFUPolicy
@@ -58,7 +59,6 @@ __all__ = [
     "Placement",
     "PlacementCounters",
     "Policy",
-    "PolicyEvictor",
     "TierState",
     "Write",
     "WriteMode",

@@ -1,9 +1,8 @@
 """The policy interface: what every placement policy answers, from metadata alone.
 
-Owns: `ChunkMeta` (what a policy may know about a chunk), the `Policy` ABC and
-`PolicyEvictor`, the adapter that lets any policy drive a byte-bounded backend through
-the `kvstore.eviction.Evictor` protocol.  Must not touch: I/O, clocks, asyncio — a policy
-is pure and synchronous, so the live store and the simulator run the same code.
+Owns: `ChunkMeta` (what a policy may know about a chunk) and the `Policy` ABC.  Must not
+touch: I/O, clocks, asyncio — a policy is pure and synchronous, so the live store and the
+simulator run the same code.
 
 Call protocol (one tier; `kvstore.policy.engine` drives it):
 
@@ -109,42 +108,3 @@ class Policy(abc.ABC):
 
     @abc.abstractmethod
     def __len__(self) -> int: ...
-
-
-class PolicyEvictor:
-    """Any `Policy` as a `kvstore.eviction.Evictor`, for the memory and disk backends.
-
-    The backend keeps its own byte accounting; this only maps the four calls.  A re-insert
-    of a resident name is a touch.
-    """
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-
-    def insert(self, name: str, size: int) -> None:
-        if name in self.policy:
-            self.policy.remove(name)
-        else:
-            self.policy.miss(name)
-        self.policy.insert(name, size)
-
-    def touch(self, name: str) -> None:
-        if name in self.policy:
-            self.policy.touch(name)
-
-    def remove(self, name: str) -> None:
-        # The backend calls remove both for deletes and after choosing a victim; a victim
-        # was already handed out by `victim`, which marked it.
-        self.policy.remove(name, evicted=name == self._last_victim)
-
-    _last_victim: str | None = None
-
-    def victim(self, protected: frozenset[str] | set[str] = NOTHING) -> str | None:
-        self._last_victim = self.policy.victim(protected)
-        return self._last_victim
-
-    def __len__(self) -> int:
-        return len(self.policy)
-
-    def __bool__(self) -> bool:  # an empty evictor is still an evictor (`evictor or default`)
-        return True

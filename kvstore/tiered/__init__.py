@@ -6,7 +6,7 @@ engine decides, this package executes), frame or codec internals (`Tier`), backe
 internals.  One concern per module:
 
 * `store`     `TieredStore`, the public API composing the parts below
-* `spec`      `TierSpec`, store options in tier URLs, the engine's `Placement` from specs
+* `spec`      `TierSpec`, the engine's `Placement` from specs
 * `lookup`    visibility, discovery of objects other processes stored, prefix lookup
 * `reads`     get paths: grouping by source tier, fallback, discovery reads, hits
 * `writes`    the put path: framing, quotas, the engine's writes, foreground writes
@@ -25,8 +25,11 @@ Build one::
     )
 
 A tier spec is a URL, ``(url, codec)`` or a `TierSpec`.  Store options in the URL query
-(``capacity``, ``policy``, ``write=back|through``, ``high``, ``low``) are taken out before
-the backend is opened; the store, not the backend, enforces the byte budget.
+(``capacity``, ``policy``, ``write=back|through``, ``high``, ``low``) are read once by
+`kvstore.tier_options.TierOptions`.  ``capacity`` is the byte budget of the tier's
+medium: the engine places within it and demotes first; a backend that enforces a budget
+(``mem://``, ``file://``, shared by every process on the directory) keeps it too, as the
+hard bound, and the names it evicts leave the store's books (`on_gone` is told).
 
 API (all batched, all async except pin/unpin/stats):
 
@@ -72,8 +75,9 @@ demotion into a tier with another codec is accounted at the source size.
 from __future__ import annotations
 
 from kvstore.tier import DECLINED, GONE, HIT, Out
+from kvstore.tier_options import STORE_OPTIONS, TierOptions
 from kvstore.tiered.reads import UNAVAILABLE
-from kvstore.tiered.spec import STORE_OPTIONS, UNBOUNDED, TierSpec, split_store_options
+from kvstore.tiered.spec import UNBOUNDED, TierSpec
 from kvstore.tiered.stats import StoreStats, TierStats
 from kvstore.tiered.store import TieredStore
 
@@ -86,8 +90,8 @@ __all__ = [
     "UNBOUNDED",
     "Out",
     "StoreStats",
+    "TierOptions",
     "TierSpec",
     "TierStats",
     "TieredStore",
-    "split_store_options",
 ]

@@ -69,6 +69,10 @@ class InFlight:
     def copying(self, name: str) -> bool:
         return name in self._copies
 
+    def landing_write(self, name: str) -> bool:
+        """A foreground write batch holding `name` has not finished."""
+        return name in self._landed
+
     def busy(self, name: str) -> bool:
         """A write or a copy of `name` is under way."""
         return name in self._writing or name in self._copies
@@ -137,11 +141,12 @@ class InFlight:
         move = ticket.copy
         assert move is not None
         lock = self._locks.setdefault(move.key, asyncio.Lock())
-        async with lock, limit:
+        async with lock:
             pending = self._landed.get(move.key)
             if pending is not None:
-                await pending.wait()  # the source is still being written by a put
-            yield self._landing.get((move.key, move.dst), move.src)
+                await pending.wait()  # the source is still being written by a put (no slot held)
+            async with limit:
+                yield self._landing.get((move.key, move.dst), move.src)
 
     # -- completion ----------------------------------------------------------------------
     def complete(self, ticket: Ticket, success: bool = True) -> bool:

@@ -4,8 +4,12 @@ Owns: `Mover`: executing `Drop` and `Copy` moves (`kvstore.policy.engine`) over 
 tiers, the background copy tasks and their concurrency bound (`max_moves`), the bytes of
 a copy (read as verified frames, transcoded by the source tier when the destination's
 codec differs), cleanup after a name's last copy, and telling `on_gone` which names
-left every tier.  Must not touch: placement rules (the engine decided the moves), tensor
-decoding (`Tier`), foreground writes and reads (`writes`, `reads`).
+left every tier.  Also the bytes still on a tier's medium that its books no longer
+count (a demotion's source, a drop waiting for a copy) until that copy is done, and
+`room`: a write or promotion into a full tier waits for them to go, so the engine's
+demotions (which never wait), not the backend's own eviction, make the room.  Must not touch: placement
+rules (the engine decided the moves), tensor decoding (`Tier`), foreground writes and
+reads (`writes`, `reads`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections import Counter
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from kvstore.frame import FrameError
@@ -24,6 +29,8 @@ from kvstore.tiered.parts import Parts
 
 log = logging.getLogger(__name__)
 
+ROOM_WAIT_S = 5.0  # longest a write waits for demotions to leave a full tier (without a tier deadline)
+
 
 class Mover:
     """Drops and copies for one store; see the module docstring."""
@@ -33,8 +40,10 @@ class Mover:
         self.max_moves = max_moves
         self.tasks: set[asyncio.Task[None]] = set()
         self._sem: asyncio.Semaphore | None = None
-        # called with the names that left every tier (evicted or deleted)
-        self.on_gone: Callable[[list[str]], None] | None = None
+        # per tier: names whose bytes stay on its medium after the books let them go -> bytes
+        self.leaving: list[dict[str, int]] = [{} for _ in parts.tiers]
+        self._left = asyncio.Event()  # set (and replaced) whenever some leave
+        self.promoting: Counter[str] = Counter()  # promotions not yet done, per name
 
     async def carry_out(self, moves: Sequence[Move]) -> None:
         """Drops now (batched per tier); then promotions and demotions in the background.
@@ -49,11 +58,15 @@ class Mover:
             if isinstance(m, Drop):
                 if not p.inflight.copying(m.key):
                     drops.setdefault(m.src, []).append(m.key)
-                # else: a copy may be reading it; the name's last copy cleans up
+                else:  # a copy may be reading it; the name's last copy cleans up
+                    self.leaving[m.src][m.key] = m.size
                 p.metrics.evictions.labels(p.labels[m.src]).inc()
             elif isinstance(m, Copy):
                 if m.kind == "demote":
                     p.metrics.evictions.labels(p.labels[m.src]).inc()
+                    self.leaving[m.src][m.key] = m.size
+                else:
+                    self.promoting[m.key] += 1
                 copies.append(p.inflight.prepare_copy(m))  # until it lands, read it where its bytes are
         for j, keys in drops.items():
             t0 = time.perf_counter()
@@ -66,11 +79,7 @@ class Mover:
             if isinstance(m, Drop) and p.placement.where(m.key) is None:
                 p.book.discard(m.key)
                 gone.append(m.key)
-        if gone and self.on_gone is not None:
-            try:
-                self.on_gone(gone)
-            except Exception:
-                log.exception("kvstore: on_gone callback failed")
+        p.gone(gone)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -86,6 +95,41 @@ class Mover:
 
         task.add_done_callback(done)
 
+    async def room(self, j: int, promoting: bool = False) -> None:
+        """Wait (a bounded time) until tier `j`'s books plus the bytes still leaving it fit
+        its capacity, so a write there does not make the backend evict.  Demotions never
+        wait.  Not waited for: bytes of names whose foreground write has not landed (their
+        copies wait for that write) and, by a promotion, bytes of names being promoted
+        (their promotions may be waiting too)."""
+        p = self.p
+        tier = p.placement.tiers[j]
+        if not self.leaving[j] or p.tiers[j].backend.capacity is None:
+            return  # nothing leaving, or no backend budget that could evict
+        deadline = time.monotonic() + (p.guard.timeout or ROOM_WAIT_S)
+        while True:
+            leaving = sum(
+                n
+                for k, n in self.leaving[j].items()
+                if not p.inflight.landing_write(k) and not (promoting and k in self.promoting)
+            )
+            wait = deadline - time.monotonic()
+            if tier.used + leaving <= tier.capacity or wait <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._left.wait(), wait)
+            except asyncio.TimeoutError:
+                return
+
+    def _gone_from_media(self, name: str) -> None:
+        """`name`'s last copy is done: no medium keeps bytes of it that the books let go."""
+        for leaving in self.leaving:
+            leaving.pop(name, None)
+        self._wake()
+
+    def _wake(self) -> None:
+        self._left.set()
+        self._left = asyncio.Event()
+
     async def drain(self) -> None:
         """Wait until every background copy has finished."""
         while self.tasks:
@@ -100,15 +144,25 @@ class Mover:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_moves)
         try:
+            if m.kind == "promote" and m.key in p.placement.tiers[m.dst].resident:
+                await self.room(m.dst, promoting=True)  # into a full tier: after the demotions out of it
             async with p.inflight.turn(ticket, self._sem) as src:
                 await self._copy_into(m, src)
         finally:
+            if m.kind == "promote":
+                self.promoting[m.key] -= 1
+                if self.promoting[m.key] <= 0:
+                    del self.promoting[m.key]
+                self._wake()  # a write may have waited for this name's bytes
             if p.inflight.complete(ticket):
                 # the name's last copy is done: no tier keeps bytes the engine does not count
                 # (a demotion's source, a promotion's source evicted meanwhile, drops that waited)
                 stale = [j for j, st in enumerate(p.placement.tiers) if m.key not in st.resident]
-                for j in stale:
-                    await p.tiers[j].delete_many([m.key])
+                try:
+                    for j in stale:
+                        await p.tiers[j].delete_many([m.key])
+                finally:
+                    self._gone_from_media(m.key)
             p.update_gauges()
 
     async def _copy_into(self, m: Copy, src: int) -> None:

@@ -1,14 +1,18 @@
 """The parts every piece of a TieredStore shares, built once by `TieredStore`.
 
 Owns: `Parts` (the tiers, the engine, the namespace book, metrics, the in-flight
-registry, the guard, the buffer pool, the clock) and the two bookkeeping steps every
-piece repeats: forgetting a placement whose bytes never landed, and refreshing gauges.
-Must not touch: I/O (each piece does its own, through `guard`).
+registry, the guard, the buffer pool, the clock, the `on_gone` callback) and the
+bookkeeping steps every piece repeats: forgetting a placement whose bytes never landed,
+taking off the books names whose bytes a tier no longer has (a read found them gone, or
+the backend evicted them to stay under its capacity), telling `on_gone` which names
+left every tier, and refreshing gauges.  Must not touch: I/O (each piece does its own,
+through `guard`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.buffers import BufferPool
@@ -19,6 +23,8 @@ from kvstore.tier import Tier
 from kvstore.tiered.guard import TierGuard
 from kvstore.tiered.inflight import InFlight
 from kvstore.tiered.stats import StoreCounters
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,12 +40,39 @@ class Parts:
     clock: Callable[[], float]
     discover: bool
     counters: StoreCounters
+    on_gone: Callable[[list[str]], None] | None = None  # told the names that left every tier
 
-    def forget(self, name: str, j: int) -> None:
-        """`name`'s bytes never landed in tier `j` (a failed write or copy): off the books."""
+    def forget(self, name: str, j: int) -> bool:
+        """`name`'s bytes never landed in tier `j` (a failed write or copy): off the books.
+        True if `name` is in no tier now."""
         self.placement.forget(name, j)
         if self.placement.where(name) is None:
             self.book.discard(name)
+            return True
+        return False
+
+    def lost(self, j: int, names: Sequence[str]) -> None:
+        """Tier `j` no longer has `names` (found gone by a read, or evicted by the backend
+        to stay under its capacity): off the books there; `on_gone` hears of those that
+        left every tier."""
+        gone = [n for n in names if n in self.placement.tiers[j].resident and self.forget(n, j)]
+        self.gone(gone)
+
+    def evicted(self, j: int, names: list[str]) -> None:
+        """Tier `j`'s backend evicted `names` (its `on_evict`): counted, then `lost`."""
+        held = [n for n in names if n in self.placement.tiers[j].resident]
+        if held:
+            self.metrics.evictions.labels(self.labels[j]).inc(len(held))
+            self.lost(j, held)
+            self.update_gauges()
+
+    def gone(self, names: list[str]) -> None:
+        """Tell `on_gone` that `names` left every tier."""
+        if names and self.on_gone is not None:
+            try:
+                self.on_gone(names)
+            except Exception:
+                log.exception("kvstore: on_gone callback failed")
 
     def update_gauges(self) -> None:
         for label, st in zip(self.labels, self.placement.tiers):

@@ -116,8 +116,9 @@ class Reader:
             if status == DECLINED:
                 continue  # still stored: the caller did not take it
             if tensor is None:
-                # the engine believed it held: the object is gone or was corrupt
-                p.forget(name, placed)
+                # the engine believed it held: the object is gone (evicted by the backend,
+                # maybe for another process's write) or was corrupt; a counted miss
+                p.lost(placed, [name])
                 continue
             result[i] = tensor
             served[i] = True

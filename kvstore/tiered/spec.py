@@ -1,9 +1,10 @@
-"""How a TieredStore's tiers are described: `TierSpec`, and tier URLs with store options.
+"""How a TieredStore's tiers are described: `TierSpec`, and the engine's `Placement` from specs.
 
-Owns: `TierSpec`, the store options a tier URL may carry (``capacity``, ``policy``,
-``write``, ``high``, ``low``; `split_store_options` takes them out before the backend
-sees the URL) and turning specs into the engine's `Placement`.  Must not touch: I/O
-beyond opening each tier's backend.
+Owns: `TierSpec` (one tier of a store: the opened `Tier` and what the store does with
+it) and turning specs into the engine's `Placement`.  A tier URL's store options are
+read once by `kvstore.tier_options.TierOptions`; this module only resolves what the URL
+leaves to the store (policy, write mode).  Must not touch: I/O beyond opening each
+tier's backend, URL parsing.
 """
 
 from __future__ import annotations
@@ -11,21 +12,21 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from kvstore.options import parse_size
 from kvstore.policy import DEFAULT_POLICY, Placement, TierState, WriteMode, make_policy
 from kvstore.tier import Tier
+from kvstore.tier_options import TierOptions
 
 UNBOUNDED = sys.maxsize
-STORE_OPTIONS = frozenset({"capacity", "policy", "write", "high", "low"})
 
 
 @dataclass
 class TierSpec:
-    """One tier of a store: where (`tier`), how much (`capacity` bytes, None = unbounded),
-    which policy, write mode ("back": filled by demotion; "through": every store lands
-    here too) and watermarks (evict from above `high` × capacity down to `low` ×)."""
+    """One tier of a store: where (`tier`), how much (`capacity`: bytes of the tier's
+    medium, None = unbounded; the store's placement budget, and the backend's own hard
+    bound where it enforces one), which policy, write mode ("back": filled by demotion;
+    "through": every store lands here too) and watermarks (evict from above `high` ×
+    capacity down to `low` ×)."""
 
     tier: Tier
     capacity: int | None = None
@@ -35,36 +36,41 @@ class TierSpec:
     low: float = 1.0
     name: str = ""
 
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        codec: str = "raw",
+        *,
+        policy: str = DEFAULT_POLICY,
+        write: WriteMode = "back",
+        name: str = "",
+    ) -> TierSpec:
+        """A spec for a tier URL, its backend opened; `policy` and `write` apply where the
+        URL names none."""
+        backend_url, opts = TierOptions.parse(url)
+        return cls.from_options(Tier.open(backend_url, codec), opts, policy=policy, write=write, name=name)
 
-def split_store_options(url: str) -> tuple[str, dict[str, str]]:
-    """(`url` without the store's own query options, those options)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    mine = {k: v for k, v in query if k in STORE_OPTIONS}
-    rest = [(k, v) for k, v in query if k not in STORE_OPTIONS]
-    return urlunsplit(parts._replace(query=urlencode(rest))), mine
-
-
-def spec_from_url(url: str, codec: str, policy: str, name: str) -> TierSpec:
-    """A `TierSpec` for a tier URL (store options in its query), its backend opened."""
-    backend_url, opts = split_store_options(url)
-    mode = opts.get("write", "back")
-    write: WriteMode
-    if mode == "back":
-        write = "back"
-    elif mode == "through":
-        write = "through"
-    else:
-        raise ValueError(f"write={mode!r} in {url!r}: use write=back or write=through")
-    return TierSpec(
-        tier=Tier.open(backend_url, codec),
-        capacity=parse_size(opts.get("capacity")),
-        policy=opts.get("policy", policy),
-        write=write,
-        high=float(opts.get("high", 1.0)),
-        low=float(opts.get("low", 1.0)),
-        name=name,
-    )
+    @classmethod
+    def from_options(
+        cls,
+        tier: Tier,
+        opts: TierOptions,
+        *,
+        policy: str = DEFAULT_POLICY,
+        write: WriteMode = "back",
+        name: str = "",
+    ) -> TierSpec:
+        """A spec for an opened `tier` and its URL's options (see `open`)."""
+        return cls(
+            tier=tier,
+            capacity=opts.capacity,
+            policy=opts.policy or policy,
+            write=opts.write or write,
+            high=opts.high,
+            low=opts.low,
+            name=name,
+        )
 
 
 def specs_from(specs: Sequence[str | tuple[str, str] | TierSpec], policy: str) -> list[TierSpec]:
@@ -75,7 +81,7 @@ def specs_from(specs: Sequence[str | tuple[str, str] | TierSpec], policy: str) -
             out.append(spec)
             continue
         url, codec = (spec, "raw") if isinstance(spec, str) else spec
-        out.append(spec_from_url(url, codec, policy, f"tier{i}"))
+        out.append(TierSpec.open(url, codec, policy=policy, name=f"tier{i}"))
     return out
 
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvstore.backends.breaker import CircuitBreaker
@@ -90,6 +91,9 @@ class TieredStore:
             discover=discover,
             counters=self.counters,
         )
+        for j, tier in enumerate(self.tiers):
+            # the backend's own eviction (its capacity, the medium's hard bound) leaves our books
+            tier.backend.on_evict = partial(parts.evicted, j)
         self.mover = Mover(parts, max_moves)
         self.lookup = Lookup(parts)
         self.reader = Reader(parts, self.lookup, self.mover)
@@ -118,12 +122,13 @@ class TieredStore:
 
     @property
     def on_gone(self) -> Callable[[list[str]], None] | None:
-        """Called with the names that left every tier (evicted or deleted)."""
-        return self.mover.on_gone
+        """Called with the names that left every tier (evicted by the engine or a backend,
+        found gone by a read, or deleted)."""
+        return self.parts.on_gone
 
     @on_gone.setter
     def on_gone(self, callback: Callable[[list[str]], None] | None) -> None:
-        self.mover.on_gone = callback
+        self.parts.on_gone = callback
 
     def tier_available(self, j: int) -> bool:
         """Is tier `j`'s breaker closed (calls go through)?"""

@@ -2,8 +2,10 @@
 
 Owns: `Writer`: framing each tensor once for the top tier (and again only for a tier
 whose codec differs), namespace quotas, asking the engine where each object goes (with
-its place in a prefix chain), then writing one batch per tier in the foreground under
-the tier's guard; a write becomes visible only once it has landed, and one that failed
+its place in a prefix chain), sending a name the same plan evicts again straight to
+where the plan leaves it, then writing one batch per tier in the foreground under
+the tier's guard (after the demotions out of a full tier have made room, see
+`Mover.room`); a write becomes visible only once it has landed, and one that failed
 is taken off the books.  Must not touch: reads, the engine's rules, background copies
 (handed to `Mover`).
 """
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import namespace_of
-from kvstore.policy import NO_META, ChunkMeta, Move, Write
+from kvstore.policy import NO_META, ChunkMeta, Copy, Drop, Move, Write
 from kvstore.tiered.inflight import Ticket
 from kvstore.tiered.moves import Mover
 from kvstore.tiered.parts import Parts
@@ -90,9 +92,11 @@ class Writer:
                     p.book.add(name, size, now)  # reserved now: later items see the quota
                 if isinstance(m, Write):
                     writes.append((i, m))
-                    p.inflight.add_write(ticket, name)
                 else:
                     moves.append(m)
+        writes, moves = self._shortest_way(writes, moves)
+        for _, w in writes:
+            p.inflight.add_write(ticket, w.key)
 
         await self.mover.carry_out(moves)
         # the caller's data: written in the foreground, one batch per tier
@@ -110,6 +114,37 @@ class Writer:
                 p.book.discard(name)
         p.update_gauges()
         return results
+
+    def _shortest_way(
+        self, writes: list[tuple[int, Write]], moves: list[Move]
+    ) -> tuple[list[tuple[int, Write]], list[Move]]:
+        """A name this plan writes into tier j and then evicts from j again (a batch larger
+        than the tier) goes straight where the plan leaves it: the demotion j → k becomes
+        the write into k, and a drop from j means no write at all.  The engine's decisions
+        stand; only the bytes take the short way (never through a full tier's medium)."""
+        p = self.p
+        pending = {(w.key, w.dst): n for n, (_, w) in enumerate(writes)}
+        if len(pending) == len(writes) and not any(
+            (m.key, m.src) in pending for m in moves if isinstance(m, (Copy, Drop))
+        ):
+            return writes, moves
+        dead: set[int] = set()
+        kept: list[Move] = []
+        for m in moves:
+            if isinstance(m, (Copy, Drop)) and (m.key, m.src) in pending and not (
+                isinstance(m, Copy) and m.kind == "promote"
+            ):
+                n = pending.pop((m.key, m.src))
+                p.metrics.evictions.labels(p.labels[m.src]).inc()
+                if isinstance(m, Drop) or (m.key, m.dst) in pending:  # dropped, or written there already
+                    dead.add(n)
+                else:
+                    i, w = writes[n]
+                    writes[n] = (i, Write(w.key, w.size, m.dst))
+                    pending[(m.key, m.dst)] = n
+                continue
+            kept.append(m)
+        return [w for n, w in enumerate(writes) if n not in dead], kept
 
     async def _write_tier(
         self,
@@ -138,6 +173,8 @@ class Writer:
             assert parts is not None  # names that could not be framed have no write
             encoded.append(True)
             payload.append((w.key, parts))
+        if payload:
+            await self.mover.room(j)  # demotions out of a full tier first: the backend need not evict
         t0 = time.perf_counter()
         written = iter(
             await p.guard.call(j, tier.put_frames(payload), [False] * len(payload), "put", write=True)

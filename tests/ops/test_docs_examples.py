@@ -93,8 +93,6 @@ def test_server_example_is_accepted_by_lmcache_and_kvstore(n: int, tmp_path: Pat
     from lmcache.v1.distributed.config import parse_args_to_config
     from lmcache.v1.multiprocess.config import parse_args_to_mp_server_config
 
-    from kvstore.store_config import _written_through
-    from kvstore.tiered import split_store_options
     from kvstore_lmcache.l2_adapter import KVStoreL2AdapterConfig, store_capacity
 
     calls, _ = run_block(SERVER_BLOCKS[n], tmp_path)
@@ -112,9 +110,8 @@ def test_server_example_is_accepted_by_lmcache_and_kvstore(n: int, tmp_path: Pat
     if "eviction" in spec:
         assert adapters[0].eviction_config is not None
         assert store_capacity(cfg.store) > 0, "LMCache's eviction needs a capacity on every tier"
-    for tier in cfg.store.tiers[1:]:
-        mode = split_store_options(_written_through(tier.url))[1]["write"]
-        assert mode == ("back" if tier.url.startswith("s3://") else "through")
+    for i, tier in enumerate(cfg.store.tiers[1:], 1):
+        assert cfg.store.write_mode(i) == ("back" if tier.url.startswith("s3://") else "through")
 
 
 def local_url(url: str, tmp_path: Path, redis, s3) -> str:

@@ -14,7 +14,6 @@ from kvstore.policy import (
     POLICIES,
     ChunkMeta,
     Placement,
-    PolicyEvictor,
     TierState,
     make_policy,
 )
@@ -256,19 +255,20 @@ def test_reuse_policy_beats_lru_on_interleaved_conversations() -> None:
 
 
 @pytest.mark.parametrize("kind", ["mem", "file"])
-@pytest.mark.parametrize("policy", ONLINE_POLICIES)
-async def test_any_policy_drives_the_byte_bounded_backends(policy: str, kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    evictor = PolicyEvictor(make_policy(policy, 300))
-    if kind == "mem":
-        backend = MemoryBackend("mem://", capacity=300, evictor=evictor)
-    else:
-        backend = DiskBackend(tmp_path, capacity=300, fsync=False, evictor=evictor)
+async def test_byte_bounded_backends_evict_lru_and_say_which(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    backend = (
+        MemoryBackend("mem://", capacity=300) if kind == "mem" else DiskBackend(tmp_path, capacity=300, fsync=False)
+    )
+    assert backend.capabilities.enforces_capacity
+    told: list[str] = []
+    backend.on_evict = told.extend
     for i in range(20):
         assert await backend.put_many([(f"t/o{i}", bytes(100))]) == [True]
         assert backend.stats().bytes <= 300
         await backend.get_many([f"t/o{i}"])
     assert backend.stats().objects == 3
-    assert len(evictor) == 3
+    assert told == [f"t/o{i}" for i in range(17)]
+    assert backend.stats().counters.evictions == 17
     await backend.close()
 
 

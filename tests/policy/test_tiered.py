@@ -201,7 +201,7 @@ async def test_metrics_are_per_store_and_per_tier_and_namespace() -> None:
     await b.close()
 
 
-def test_from_urls_takes_store_options_out_of_the_url(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_from_urls_reads_store_options_and_capacity_is_the_mediums(tmp_path) -> None:  # type: ignore[no-untyped-def]
     store = TieredStore.from_urls(
         [
             "mem://?capacity=1MiB&policy=lru&high=0.9&low=0.7",
@@ -211,10 +211,14 @@ def test_from_urls_takes_store_options_out_of_the_url(tmp_path) -> None:  # type
     hot, warm = store.placement.tiers
     assert (hot.capacity, hot.policy.name, hot.high, hot.low) == (1 << 20, "lru", 0.9, 0.7)
     assert (warm.capacity, warm.policy.name, warm.write) == (10 << 20, "chain", "through")
-    assert store.tiers[1].backend.capacity is None  # the store enforces the budget, not the backend
+    # capacity is the medium's: the backends enforce it too (the hard bound), the rest stays out
+    assert (store.tiers[0].backend.capacity, store.tiers[1].backend.capacity) == (1 << 20, 10 << 20)
+    assert store.specs[1].tier.backend.url == f"file://{tmp_path}?capacity=10MiB&fsync=false"
     with pytest.raises(ValueError, match="write=back or write=through"):
         TieredStore.from_urls(["mem://?write=sideways"])
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(ValueError, match="must be more than zero"):
+        TieredStore.from_urls(["mem://?capacity=0"])
+    with pytest.raises(ValueError, match="is unknown"):
         TieredStore.from_urls(["mem://?policy=fifo"])
     with pytest.raises(ValueError, match="belady"):
         TieredStore.from_urls(["mem://?policy=belady"])
