@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
+from redis.asyncio.connection import AbstractConnection
+
 
 class Gathered:
     """One Redis value spread over several flat byte views (e.g. a frame's header and payload)."""
@@ -26,31 +28,30 @@ class Gathered:
 
 
 @cache
-def gathering(connection_class: type) -> type:
+def gathering(connection_class: type[AbstractConnection]) -> type[AbstractConnection]:
     """A subclass of `connection_class` whose `pack_command` accepts `Gathered` arguments."""
+    plain_pack = connection_class.pack_command
 
-    class GatheringConnection(connection_class):  # type: ignore[misc, valid-type]
-        def pack_command(self, *args: Any) -> list[Any]:
-            if not any(isinstance(a, Gathered) for a in args):
-                return super().pack_command(*args)
-            out: list[Any] = []
-            head = b"*%d\r\n" % len(args)
-            for arg in args:
-                if isinstance(arg, Gathered):
-                    out.append(head + b"$%d\r\n" % arg.nbytes)
-                    out.extend(arg.parts)
-                    head = b"\r\n"
-                    continue
-                data = self.encoder.encode(arg)
-                if isinstance(data, memoryview) or len(data) > 6000:
-                    out.append(head + b"$%d\r\n" % len(data))
-                    out.append(data)
-                    head = b"\r\n"
-                else:
-                    head += b"$%d\r\n%s\r\n" % (len(data), data)
-            out.append(head)
-            return out
+    def pack_command(self: Any, *args: Any) -> list[Any]:
+        if not any(isinstance(a, Gathered) for a in args):
+            return plain_pack(self, *args)
+        out: list[Any] = []
+        head = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, Gathered):
+                out.append(head + b"$%d\r\n" % arg.nbytes)
+                out.extend(arg.parts)
+                head = b"\r\n"
+                continue
+            data = self.encoder.encode(arg)
+            if isinstance(data, memoryview) or len(data) > 6000:
+                out.append(head + b"$%d\r\n" % len(data))
+                out.append(data)
+                head = b"\r\n"
+            else:
+                head += b"$%d\r\n%s\r\n" % (len(data), data)
+        out.append(head)
+        return out
 
-    GatheringConnection.__name__ = f"Gathering{connection_class.__name__}"
-    GatheringConnection.__qualname__ = GatheringConnection.__name__
-    return GatheringConnection
+    # built with type(): the base is only known at run time (plain, SSL or unix-socket connections)
+    return type(f"Gathering{connection_class.__name__}", (connection_class,), {"pack_command": pack_command})

@@ -613,7 +613,8 @@ class S3Backend(Backend):
     async def _get_range(self, key: str, etag: str | None, into: memoryview, lo: int) -> None:
         o = self.options
         extra = {"IfMatch": etag} if etag else {}
-        async with self._sem:  # type: ignore[union-attr]
+        assert self._sem is not None  # set by _ready()
+        async with self._sem:
             resp = await self._client.get_object(
                 Bucket=o.bucket, Key=key, Range=f"bytes={lo}-{lo + into.nbytes - 1}", **extra
             )
@@ -695,10 +696,10 @@ class S3Backend(Backend):
         for start in range(0, len(present), DELETE_BATCH):
             batch = present[start : start + DELETE_BATCH]
             res = await self._guarded(partial(self._delete_batch, [k for _, k in batch]))
-            if res is _FAILED or res is None:
+            if not isinstance(res, set):  # failed (counted)
                 continue
             for i, k in batch:
-                if k not in res:  # type: ignore[operator]
+                if k not in res:
                     out[i] = True
                     self.counters.deletes += 1
         return out

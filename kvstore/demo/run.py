@@ -104,11 +104,15 @@ def lmcache_env(values: dict[str, str]) -> Iterator[None]:
 
 def _fresh_hot(tier: TierConfig) -> TierConfig:
     """The same hot tier as after a process restart: an empty memory space."""
-    if not tier.url.startswith("mem://"):
+    from urllib.parse import urlsplit, urlunsplit
+
+    from kvstore.backends import backend_class
+
+    if not backend_class(tier.url).capabilities.in_memory:
         return tier
-    rest = tier.url[len("mem://") :]
-    name, sep, query = rest.partition("?")
-    return replace(tier, url=f"mem://{name or 'hot'}-{uuid.uuid4().hex[:6]}{sep}{query}")
+    parts = urlsplit(tier.url)  # same-named memory tiers share a space: a new name is a new space
+    fresh = f"{parts.netloc or 'hot'}-{uuid.uuid4().hex[:6]}"
+    return replace(tier, url=urlunsplit(parts._replace(netloc=fresh)))
 
 
 def per_tier(

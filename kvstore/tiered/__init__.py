@@ -74,8 +74,8 @@ demotion into a tier with another codec is accounted at the source size.
 """
 from __future__ import annotations
 
-from kvstore.tier import DECLINED, GONE, HIT, Out
 from kvstore.tier_options import STORE_OPTIONS, TierOptions
+from kvstore.tier_stream import DECLINED, GONE, HIT, Out
 from kvstore.tiered.reads import UNAVAILABLE
 from kvstore.tiered.spec import UNBOUNDED, TierSpec
 from kvstore.tiered.stats import StoreStats, TierStats

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.namespaces import namespace_of
 from kvstore.policy import NO_META, Move
-from kvstore.tier import DECLINED, GONE, HIT, Out, ReadResult
+from kvstore.tier_stream import DECLINED, GONE, HIT, Out, ReadResult
 from kvstore.tiered.lookup import Lookup
 from kvstore.tiered.moves import Mover
 from kvstore.tiered.parts import Parts

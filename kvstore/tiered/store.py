@@ -23,7 +23,8 @@ from kvstore.buffers import BufferPool
 from kvstore.namespaces import NO_RULE, NamespaceBook, NamespaceRule, namespace_of
 from kvstore.policy import DEFAULT_POLICY, Move, Placement
 from kvstore.store_metrics import StoreMetrics
-from kvstore.tier import Out, Tier
+from kvstore.tier import Tier
+from kvstore.tier_stream import Out
 from kvstore.tiered.guard import TierGuard
 from kvstore.tiered.inflight import InFlight
 from kvstore.tiered.lookup import Lookup

@@ -1,0 +1,153 @@
+"""A tier's streamed read: raw payloads straight into the callers' tensors.
+
+Owns: the outcome of reading one name (`ReadResult`: `HIT`, `GONE`, `DECLINED`), where
+a read may go (`Out`), and `read_streamed`, the read `kvstore.tier.Tier.read_into`
+makes when every name has a target: a backend that declares ``streamed_reads`` streams
+each object through a `kvstore.frame_sink.FrameSink` into its target, checksummed block
+by block as it lands; another backend reads whole objects (memory views, or pooled
+buffers) that are then streamed into the targets the same way.  Must not touch: codecs
+other than raw (those frames are handed back to be read whole), placement, deadlines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Union
+
+from kvstore.buffers import BufferPool
+from kvstore.frame import FrameHeader
+from kvstore.keys import printable_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvstore.tier import Tier
+
+log = logging.getLogger(__name__)
+
+#: where a read goes: a tensor to decode into, or a callable given the checked header
+#: that returns one (None: skip this object, it stays stored), or None (a new tensor)
+Out = Union["torch.Tensor", Callable[[FrameHeader], "torch.Tensor | None"], None]
+
+# outcome of reading one name (`ReadResult.status`)
+HIT, GONE, DECLINED = 0, 1, 2  # DECLINED: stored, but the caller did not take it
+
+
+class ReadResult(NamedTuple):
+    tensor: torch.Tensor | None
+    status: int  # HIT | GONE | DECLINED (`kvstore.tiered` adds UNAVAILABLE)
+    size: int  # payload bytes of the stored frame (0 when GONE)
+
+
+async def read_streamed(
+    tier: Tier, names: Sequence[str], outs: Sequence[Out], pool: BufferPool
+) -> tuple[list[ReadResult], list[int]]:
+    """Raw payloads straight into the callers' tensors, hashed block by block as they
+    land; also the indices to read whole instead (not raw, or a header too long to
+    stream).  A streaming backend (disk) runs `place` on its worker threads."""
+    import torch
+
+    from kvstore.backends.stream import stream_from_buffer
+    from kvstore.codec.base import dtype_from_name
+    from kvstore.frame_sink import FrameSink
+
+    n = len(names)
+    targets: list[torch.Tensor | None] = [None] * n
+    whole = [False] * n
+    refused: list[Exception | None] = [None] * n
+    stopped = False  # the read was cancelled: allocate nothing more
+
+    def placer(k: int) -> Callable[[FrameHeader], memoryview | None]:
+        def place(header: FrameHeader) -> memoryview | None:
+            if stopped:
+                return None
+            if header.codec != "raw":
+                whole[k] = True  # decoded by its codec: read whole
+                return None
+            try:
+                t = outs[k]
+                if callable(t):
+                    t = t(header)
+                if t is None:
+                    return None
+                if (
+                    tuple(t.shape) != tuple(header.shape)
+                    or t.dtype != dtype_from_name(header.dtype)
+                    or t.device.type != "cpu"
+                    or not t.is_contiguous()
+                ):
+                    raise ValueError(
+                        f"out is {tuple(t.shape)} {t.dtype} on {t.device}; frame holds {header.shape} {header.dtype}"
+                    )
+            except Exception as exc:
+                refused[k] = exc
+                return None
+            targets[k] = t
+            if t.numel() == 0:
+                return memoryview(bytearray(0))
+            return t.reshape(-1).view(torch.uint8).numpy().data
+
+        return place
+
+    sinks = [FrameSink(name, placer(k)) for k, name in enumerate(names)]
+    verdicts: list[object | None]
+    if tier.capabilities.streamed_reads:
+        order = iter(sinks)  # one sink per name, taken in order (a name may repeat)
+        reading = asyncio.ensure_future(tier.backend.read_streamed(names, lambda _name: next(order)))
+        try:
+            verdicts = await asyncio.shield(reading)
+        except asyncio.CancelledError:
+            # the read may be writing into the callers' tensors: the caller may free them
+            # only once those writes are over (at once for a backend that streams on the
+            # event loop; a disk read's worker threads finish their block first)
+            stopped = True
+            if tier.capabilities.streams_on_loop:
+                reading.cancel()
+            await asyncio.wait({reading})
+            raise
+    else:  # whole objects (memory views, or pooled buffers), then streamed into the targets
+        taken: list[bytearray] = []
+
+        def alloc(size: int) -> memoryview:
+            buf = pool.take(size)
+            taken.append(buf)
+            return memoryview(buf)
+
+        try:
+            raws = await tier.backend.get_many(names, None if tier.capabilities.in_memory else alloc)
+            verdicts = [None if r is None else stream_from_buffer(r, sk) for r, sk in zip(raws, sinks)]
+            del raws
+        finally:
+            for buf in taken:
+                pool.give(buf)
+    c = tier.counters
+    res: list[ReadResult] = []
+    rest: list[int] = []
+    for k, (name, sink) in enumerate(zip(names, sinks)):
+        header = sink.header
+        if verdicts[k] is None:
+            c.misses += 1
+            res.append(ReadResult(None, GONE, 0))
+        elif sink.too_long or whole[k]:
+            rest.append(k)
+            res.append(ReadResult(None, GONE, 0))
+        elif sink.error is not None:
+            await tier.quarantine(name, sink.error)
+            res.append(ReadResult(None, GONE, 0))
+        elif header is None:  # no error, yet no header: cannot happen; a miss
+            c.misses += 1
+            res.append(ReadResult(None, GONE, 0))
+        elif not sink.placed:
+            c.hits += 1
+            c.declined += 1
+            if refused[k] is not None:
+                log.warning(
+                    "kvstore: could not decode %s from %s: %s", printable_name(name), tier.name, refused[k]
+                )
+            res.append(ReadResult(None, DECLINED, header.plen))
+        else:
+            c.hits += 1
+            res.append(ReadResult(targets[k], HIT, header.plen))
+    return res, rest
