@@ -155,6 +155,7 @@ FIRST_CONFIGS = [
     ("profile=smollm2-135m-lmcache", {"profile": "smollm2-135m-lmcache"}),
     ("profile=smollm2-135m", {"profile": "smollm2-135m"}),
     ("profile=smollm2-135m-hq", {"profile": "smollm2-135m-hq"}),
+    ("profile=smollm2-135m-mix", {"profile": "smollm2-135m-mix"}),
 ]
 # Functions of kvstore.codec.cachegen (and the frame functions of kvstore.codec.base)
 # timed in the first-chunk child; whatever of the call they do not cover is "other".
@@ -407,6 +408,10 @@ def main() -> None:
         ("cachegen profile=smollm2-135m-lmcache (32/16, fitted tables)", {"profile": "smollm2-135m-lmcache"}),
         ("cachegen profile=smollm2-135m (calibrated, KL budget 0.006)", {"profile": "smollm2-135m"}),
         ("cachegen profile=smollm2-135m-hq (calibrated, KL budget 0.004)", {"profile": "smollm2-135m-hq"}),
+        (
+            "cachegen profile=smollm2-135m-mix (calibrated on a mix, KL budget 0.003, raw first token)",
+            {"profile": "smollm2-135m-mix"},
+        ),
     ]:
         configs.append((label, get("cachegen", threads=1, **opts), get("cachegen", threads=2, **opts)))
 

@@ -166,3 +166,24 @@ def test_channel_scales_of_the_wrong_shape_are_refused_clearly() -> None:
     for shape in [(2, 2, 6), (2, 3, 8)]:
         with pytest.raises(ValueError, match=r"channel scales are shaped .* needs \(2, 2, 8\)"):
             Profile("p", [16, 16], [16, 16], CodebookSet("cs", book, np.ones(shape, np.float32)), model=fp)
+
+
+def test_the_shipped_mix_profile_stores_the_first_token_raw_and_is_bound_to_smollm2(monkeypatch) -> None:
+    from pathlib import Path
+
+    from kvstore.codec import cachegen_profile
+    from kvstore.codec.cachegen_profile import ProfileMismatchError
+
+    prof = Profile.load("smollm2-135m-mix")
+    assert prof.raw_tokens == 1 and prof.info["raw_tokens"] == 1
+    assert prof.model is not None and prof.model.matches_name("HuggingFaceTB/SmolLM2-135M-Instruct")
+    c = CacheGenCodec(profile=prof, warm=0)
+    with pytest.raises(ProfileMismatchError, match="kvstore codec calibrate"):
+        c.encode(kv((2, 30, 4, 256), torch.float16, 0))
+    # A frame written with it when it shipped decodes, in a fresh process, to the same bits.
+    buf = (Path(__file__).with_name("data") / "smollm2-135m-mix-raw-tokens.kvsf").read_bytes()
+    monkeypatch.setattr(cachegen_profile, "_SETS", {})
+    monkeypatch.setattr(cachegen_profile, "_SCANNED", False)
+    y = CacheGenCodec(warm=0).decode(buf)
+    assert y.shape == (2, 30, 3, 192) and parse(memoryview(payload(buf))).layout.raw_tokens == 1
+    assert sha(y.view(torch.int16).numpy().tobytes()) == "717f7fe5826fce01ab2eda8609ce1cf0"
