@@ -49,12 +49,16 @@ def test_calibrate_binds_the_profile_to_the_model(tmp_path):
     lm = kvmodel.load_model()
     text = tmp_path / "mine.txt"
     text.write_text(kvmodel.PROSE)
-    prof, _ = calibrate(lm, prefix=48, cont=8, texts=1, tables=4, files=[text], log=lambda _: None)
+    prof, _ = calibrate(
+        lm, prefix=48, cont=8, texts=1, tables=4, files=[text], raw_tokens=1, log=lambda _: None
+    )
     assert prof.model == kvmodel.fingerprint(lm) and prof.info["prompts"] == ["mine.txt"]
+    assert prof.raw_tokens == 1 and prof.info["raw_tokens"] == 1
     prof.save(tmp_path / "p.json")
     c = get("cachegen", profile=str(tmp_path / "p.json"))
     kv = kvmodel.capture_kv(lm, kvmodel.token_ids(lm, kvmodel.PROSE, 16))[0].half()
-    assert c.decode(c.encode(kv)).shape == kv.shape
+    y = c.decode(c.encode(kv))
+    assert y.shape == kv.shape and torch.equal(y[:, :, :1], kv[:, :, :1])
     with pytest.raises(ProfileMismatchError, match="kvstore codec calibrate"):
         c.encode(kv[:, :, :, :128].contiguous())
     assert Profile.load(tmp_path / "p.json").model == prof.model
