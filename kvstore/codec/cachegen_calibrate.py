@@ -330,8 +330,24 @@ def calibrate_sweep(
 
 
 def _finish(
-    lm, samples, kb, vb, cs, sens, pred, q, target_kl, prefix, cont, chunk, tables, name, t0, log, raw=0
-):
+    lm: kvmodel.LoadedModel,
+    samples: list[kvmodel.Sample],
+    kb: list[int],
+    vb: list[int],
+    cs: torch.Tensor | None,
+    sens: np.ndarray,
+    pred: float,
+    q: kvmodel.Quality,
+    target_kl: float,
+    prefix: int,
+    cont: int,
+    chunk: int,
+    tables: int,
+    name: str | None,
+    t0: float,
+    log: Callable[[str], None],
+    raw: int = 0,
+) -> tuple[Profile, Calibration]:
     # 4. Codebooks for every alphabet in use, fitted on the chosen bins.
     hists: dict[int, list[np.ndarray]] = {}
     for p, bl in enumerate((kb, vb)):
@@ -345,7 +361,9 @@ def _finish(
     bps = 0.0
     for p, bl in enumerate((kb, vb)):
         for i, b in enumerate(bl):
-            bps += np.mean([mean_entropy(symbol_hists(s.kv, p, i, b, chunk, cs, raw)) for s in samples])
+            bps += float(
+                np.mean([mean_entropy(symbol_hists(s.kv, p, i, b, chunk, cs, raw)) for s in samples])
+            )
     bps /= 2 * len(kb)
     cal = Calibration(kb, vb, sens[0].tolist(), sens[1].tolist(), pred, q.kl, q.top1, q.dppl, float(bps))
     info = {"model": lm.name, "target_kl": target_kl, "prefix": prefix, "cont": cont, "texts": len(samples)}
