@@ -74,6 +74,14 @@ TEXT_HELP = "a prompt file (UTF-8 text) to use instead of the builtin texts (rep
     help="leading tokens of every chunk stored verbatim (the attention sink at a sequence's start; "
     "about 1.5%% of the ratio per token at 256-token chunks); 0 = none",
 )
+@click.option(
+    "--smooth-k",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 2.0),
+    help="static K channel scales from the query energy to this power (0.5 recommended; 0 = none); "
+    "stored in the profile, no bytes per chunk",
+)
 @click.option("--threads", default=2, show_default=True, help="torch threads")
 def calibrate(
     out,
@@ -91,6 +99,7 @@ def calibrate(
     bins,
     equalize,
     raw_tokens,
+    smooth_k,
     threads,
 ) -> None:
     """Measure per-layer K/V sensitivity and write a bins + codebook profile.
@@ -130,6 +139,7 @@ def calibrate(
         which=which,
         worst=worst,
         raw_tokens=raw_tokens,
+        smooth_k=smooth_k,
         log=click.echo,
     )
     for t, (prof, cal) in zip(targets, results, strict=True):

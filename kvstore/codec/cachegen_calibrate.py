@@ -78,6 +78,22 @@ def channel_scales(samples: list[kvmodel.Sample], power: float) -> torch.Tensor:
     return rel.pow(power).float()
 
 
+def query_scales(lm: kvmodel.LoadedModel, samples: list[kvmodel.Sample], power: float) -> torch.Tensor:
+    """Per (plane, layer, channel) scales that give K channel c a quantization step
+    proportional to (query energy of c)^(-power/2), relative to the layer's mean (V: 1).
+
+    A per-token absmax quantizer has one step for all of a token's channels; dividing K
+    by these before it (and multiplying back after) makes the step finer where queries
+    are large, since an error in K channel c moves the attention logits by q_c times it.
+    ``power`` 1 equalizes the channels' contributions to the logit error; 0.5 is halfway."""
+    e = kvmodel.query_energy(lm, samples)
+    e = torch.maximum(e, e.amax(-1, keepdim=True) * 1e-6 + 1e-30)
+    s = e.pow(-power / 2)
+    out = torch.ones(2, *s.shape)
+    out[0] = (s / s.mean(-1, keepdim=True)).float()
+    return out
+
+
 def symbol_hists(
     kv: torch.Tensor,
     plane: int,
@@ -172,6 +188,7 @@ def calibrate(
     which: str = "calibration",
     worst: bool = False,
     raw_tokens: int = 0,
+    smooth_k: float = 0.0,
     log: Callable[[str], None] = print,
 ) -> tuple[Profile, Calibration]:
     """Measure, allocate, fit codebooks; return the profile (bound to `lm`'s fingerprint)
@@ -180,7 +197,9 @@ def calibrate(
     Calibrates on the builtin set `which`, or on the user's `files` (up to `texts` of
     them).  With `fixed_bins` (K, V bins per layer) only the codebooks are fitted.  With
     `worst`, the budget must hold on every calibration prompt, not only on their mean.
-    With `raw_tokens`, the first tokens of every chunk are stored verbatim (measured so)."""
+    With `raw_tokens`, the first tokens of every chunk are stored verbatim (measured so).
+    With `smooth_k` > 0, K channels get static scales from the query energy (see
+    `query_scales`) that the profile carries (no bytes per chunk)."""
     return calibrate_sweep(
         lm,
         targets=[target_kl],
@@ -196,6 +215,7 @@ def calibrate(
         which=which,
         worst=worst,
         raw_tokens=raw_tokens,
+        smooth_k=smooth_k,
         log=log,
     )[0]
 
@@ -216,20 +236,26 @@ def calibrate_sweep(
     which: str = "calibration",
     worst: bool = False,
     raw_tokens: int = 0,
+    smooth_k: float = 0.0,
     log: Callable[[str], None] = print,
 ) -> list[tuple[Profile, Calibration]]:
     """`calibrate` at several KL budgets, measuring the prompts, sensitivities and bit
     costs once: one profile per budget (a ratio/quality frontier)."""
+    if equalize > 0 and smooth_k > 0:
+        raise ValueError("equalize and smooth_k both set per-channel scales; choose one")
     t0 = time.time()
     samples = kvmodel.make_samples(lm, which, prefix, cont, texts, files)
     L = lm.num_layers
     log(f"captured {len(samples)} calibration prompts ({prefix}+{cont} tokens) in {time.time() - t0:.0f}s")
     cs = channel_scales(samples, equalize) if equalize > 0 else None
+    if smooth_k > 0:
+        cs = query_scales(lm, samples, smooth_k)
     many = len(targets) > 1
     raw = int(raw_tokens)
 
     def done(prof: Profile) -> Profile:
-        prof.info["equalize"] = float(equalize) if cs is not None else 0.0
+        prof.info["equalize"] = float(equalize) if equalize > 0 else 0.0
+        prof.info["smooth_k"] = float(smooth_k)
         prof.info["budget_on"] = "every prompt" if worst else "mean"
         prof.info["raw_tokens"] = raw
         return dataclasses.replace(prof, raw_tokens=raw)

@@ -384,3 +384,54 @@ def quality(
     for s in samples:
         tot.add(sample_sums(lm, s, roundtrip(s.kv)))
     return tot.quality()
+
+
+@torch.no_grad()
+def query_energy(lm: LoadedModel, samples: list[Sample]) -> torch.Tensor:
+    """Mean squared query (after RoPE) per (layer, K channel) over the samples'
+    continuation tokens, summed over the query heads that read each KV head: how much an
+    error in that K channel moves the attention logits.  [L, KV heads x head dim], float64.
+
+    Needs a model whose attention applies RoPE through its module's
+    ``apply_rotary_pos_emb`` (the Llama family in transformers)."""
+    import sys
+
+    layers = lm.model.model.layers
+    attn_mod = sys.modules[type(layers[0].self_attn).__module__]
+    rope = getattr(attn_mod, "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise ValueError(
+            f"{type(layers[0].self_attn).__name__} does not apply RoPE through apply_rotary_pos_emb; "
+            "query-weighted channel scales are not available for this model"
+        )
+    cfg = lm.model.config
+    heads, kv_heads = int(cfg.num_attention_heads), int(cfg.num_key_value_heads)
+    acc: dict[int, torch.Tensor] = {}
+    count = [0] * len(layers)
+    cur = [0]
+
+    def patched(q: torch.Tensor, k: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        qe, ke = rope(q, k, *args, **kw)
+        e = qe[0].double().pow(2).sum(1)  # [H, D]
+        acc[cur[0]] = acc.get(cur[0], 0) + e
+        count[cur[0]] += qe.shape[2]
+        return qe, ke
+
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(lambda *_, i=i: cur.__setitem__(0, i))
+        for i, layer in enumerate(layers)
+    ]
+    setattr(attn_mod, "apply_rotary_pos_emb", patched)  # noqa: B010
+    try:
+        for s in samples:
+            continuation_logits(lm, s.kv, s.cont)
+    finally:
+        setattr(attn_mod, "apply_rotary_pos_emb", rope)  # noqa: B010
+        for h in hooks:
+            h.remove()
+    out = []
+    for i in range(len(layers)):
+        e = acc[i] / max(1, count[i])
+        d = e.shape[1]
+        out.append(e.view(kv_heads, heads // kv_heads, d).sum(1).reshape(-1))
+    return torch.stack(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,3 +81,28 @@ def test_codec_eval_cli_prints_every_prompt(tmp_path):
     for name in ("a.txt", "b.txt"):
         assert any(line.strip().startswith(name) and "top1" in line and "dPPL" in line for line in lines)
     assert "a.txt is shorter" in res.output  # a short prompt is repeated to length, and said so
+
+
+def test_query_weighted_k_scales_are_stored_in_the_profile(tmp_path):
+    from kvstore.codec.cachegen_calibrate import calibrate
+
+    lm = kvmodel.load_model()
+    text = tmp_path / "mine.txt"
+    text.write_text(kvmodel.PROSE)
+    samples = kvmodel.make_samples(lm, "calibration", 32, 8, 1, [text])
+    e = kvmodel.query_energy(lm, samples)
+    assert e.shape == (lm.num_layers, 192) and bool((e >= 0).all()) and bool((e.amax(-1) > 0).all())
+    prof, _ = calibrate(
+        lm, prefix=48, cont=8, texts=1, tables=4, files=[text], smooth_k=0.5, log=lambda _: None
+    )
+    cs = prof.codebook_set().channel_scales
+    assert cs is not None and cs.shape == (2, lm.num_layers, 192)
+    assert np.allclose(cs[1], 1.0) and np.allclose(cs[0].mean(-1), 1.0, rtol=1e-4)
+    assert prof.info["smooth_k"] == 0.5
+    prof.save(tmp_path / "p.json")
+    c = get("cachegen", profile=str(tmp_path / "p.json"))
+    kv = kvmodel.capture_kv(lm, kvmodel.token_ids(lm, kvmodel.PROSE, 16))[0].half()
+    y = c.decode(c.encode(kv))
+    assert y.shape == kv.shape and float((y.float() - kv.float()).abs().max()) < float(kv.float().abs().max())
+    with pytest.raises(ValueError, match="choose one"):
+        calibrate(lm, prefix=48, cont=8, texts=1, files=[text], smooth_k=0.5, equalize=0.5, log=lambda _: None)
