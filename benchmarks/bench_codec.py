@@ -156,6 +156,7 @@ FIRST_CONFIGS = [
     ("profile=smollm2-135m", {"profile": "smollm2-135m"}),
     ("profile=smollm2-135m-hq", {"profile": "smollm2-135m-hq"}),
     ("profile=smollm2-135m-mix", {"profile": "smollm2-135m-mix"}),
+    ("profile=smollm2-135m-mixq", {"profile": "smollm2-135m-mixq"}),
 ]
 # Functions of kvstore.codec.cachegen (and the frame functions of kvstore.codec.base)
 # timed in the first-chunk child; whatever of the call they do not cover is "other".
@@ -411,6 +412,10 @@ def main() -> None:
         (
             "cachegen profile=smollm2-135m-mix (calibrated on a mix, KL budget 0.003, raw first token)",
             {"profile": "smollm2-135m-mix"},
+        ),
+        (
+            "cachegen profile=smollm2-135m-mixq (as -mix, plus query-weighted K channel scales)",
+            {"profile": "smollm2-135m-mixq"},
         ),
     ]:
         configs.append((label, get("cachegen", threads=1, **opts), get("cachegen", threads=2, **opts)))

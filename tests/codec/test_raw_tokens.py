@@ -187,3 +187,22 @@ def test_the_shipped_mix_profile_stores_the_first_token_raw_and_is_bound_to_smol
     y = CacheGenCodec(warm=0).decode(buf)
     assert y.shape == (2, 30, 3, 192) and parse(memoryview(payload(buf))).layout.raw_tokens == 1
     assert sha(y.view(torch.int16).numpy().tobytes()) == "717f7fe5826fce01ab2eda8609ce1cf0"
+
+
+def test_the_shipped_mixq_profile_has_query_weighted_k_scales_and_a_raw_first_token(monkeypatch) -> None:
+    from pathlib import Path
+
+    from kvstore.codec import cachegen_profile
+
+    prof = Profile.load("smollm2-135m-mixq")
+    cs = prof.codebook_set().channel_scales
+    assert prof.raw_tokens == 1 and prof.info["smooth_k"] == 0.5
+    assert cs is not None and cs.shape == (2, 30, 192) and np.all(cs[1] == 1.0)
+    assert np.allclose(cs[0].mean(-1), 1.0, rtol=1e-4) and float(cs[0].min()) < 0.5 < 1.5 < float(cs[0].max())
+    buf = (Path(__file__).with_name("data") / "smollm2-135m-mixq-raw-tokens-channel-scales.kvsf").read_bytes()
+    monkeypatch.setattr(cachegen_profile, "_SETS", {})
+    monkeypatch.setattr(cachegen_profile, "_SCANNED", False)
+    y = CacheGenCodec(warm=0).decode(buf)
+    lay = parse(memoryview(payload(buf))).layout
+    assert lay.raw_tokens == 1 and lay.channel_scaled and y.shape == (2, 30, 3, 192)
+    assert sha(y.view(torch.int16).numpy().tobytes()) == "1143553ab69c89935c718d75554fce9f"
