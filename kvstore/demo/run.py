@@ -74,7 +74,7 @@ class DemoReport:
         return d
 
 
-DEMO_COLD_CODEC = "cachegen?profile=smollm2-135m"
+DEMO_COLD_CODEC = "cachegen?profile=smollm2-135m-mixq"
 
 
 def default_demo_tiers(home) -> list[TierConfig]:

@@ -23,7 +23,7 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch, pat
         "--tier",
         f"file://{tmp_path / 'cold'}?fsync=false",
         "--cold-codec",
-        "cachegen?profile=smollm2-135m",
+        "cachegen?profile=smollm2-135m-mixq",
     ]
     res = CliRunner().invoke(demo, args, catch_exceptions=False)
     assert res.exit_code == 0, res.output
@@ -39,6 +39,6 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch, pat
     assert p["identical"], "raw tiers return the exact KV, so the continuation is the same"
     cold = rep["passes"][2]["prompts"][0]
     assert cold["hit_tokens"] == 256, "the cachegen tier alone serves both chunks"
-    assert list(cold["tokens_by_tier"]) == ["1:file(cachegen?profile=smollm2-135m)"]
+    assert list(cold["tokens_by_tier"]) == ["1:file(cachegen?profile=smollm2-135m-mixq)"]
     assert sum(cold["bytes_by_tier"].values()) * 4 < sum(p["bytes_by_tier"].values()), "stored compressed"
     assert cold["agreement"] >= 0.5, "the calibrated profile keeps the continuation close"

@@ -206,7 +206,7 @@ def test_toml_example_is_accepted(tmp_path: Path) -> None:
     path = tmp_path / "kvstore.toml"
     path.write_text(text)
     cfg = StoreConfig.from_file(path)
-    assert cfg.tiers[-1].codec == "cachegen?profile=smollm2-135m" and cfg.timeout_s == 1.0
+    assert cfg.tiers[-1].codec == "cachegen?profile=smollm2-135m-mixq" and cfg.timeout_s == 1.0
     assert cfg.tiers[1].url == "file:///var/cache/kvstore?capacity=500GiB&fsync=false"
 
 
