@@ -20,6 +20,7 @@ from kvstore.backends.base import BackendUnavailableError
 from kvstore.keys import printable_name
 from kvstore.options import option_size, parse_duration, parse_size
 from kvstore.redact import redact_text
+from kvstore.tier_options import TierOptions
 
 T = TypeVar("T")
 EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
@@ -27,9 +28,12 @@ EXIT_FAILURES, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
 def _open(url: str, what: str) -> Backend:
     """Open a URL; only a migration's destination may be created, every other store must
-    exist (``ls`` of a mistyped path is an error, not a new empty store)."""
+    exist (``ls`` of a mistyped path is an error, not a new empty store).  A tier URL
+    copied from a store's configuration works as written: its store options are read as
+    a store reads them (`TierOptions`; ``capacity`` stays the medium's budget)."""
     try:
-        return open_backend(url, create=what == "DST_URL")
+        backend_url, _ = TierOptions.parse(url)
+        return open_backend(backend_url, create=what == "DST_URL")
     except ValueError as exc:
         raise click.BadParameter(redact_text(str(exc)), param_hint=what) from exc
 

@@ -89,6 +89,18 @@ def test_gc_budget_oldest_first_and_age(tmp_path: Path) -> None:
     assert sorted(json.loads(out)["deleted"]) == sorted(names[4:])
 
 
+def test_a_tier_url_from_a_store_config_works_as_written(tmp_path: Path) -> None:
+    """The URL a store's config names (with store options) lists the same objects; a bad
+    store option is an error that names it."""
+    names = populate(tmp_path)
+    url = f"{tmp_path.as_uri()}?capacity=10GiB&write=through&policy=lru&fsync=false"
+    code, out = run("ls", url, "--json")
+    assert code == 0, out
+    assert sorted(json.loads(line)["name"] for line in out.splitlines()) == sorted(names)
+    code, out = run("ls", f"{tmp_path.as_uri()}?write=sideways")
+    assert code == 2 and "write=" in out
+
+
 def test_clear_errors_and_exit_codes(tmp_path: Path) -> None:
     code, out = run("ls", "ftp://nowhere")
     assert code == 2 and "unknown backend scheme" in out
