@@ -16,20 +16,9 @@ import pytest
 
 from kvstore.backends.disk import DiskBackend
 from kvstore.backends.disk_index import INDEX_FILE
+from tests.support.disk import on_disk
 
 MiB = 1 << 20
-
-
-def on_disk(root: Path) -> int:
-    """Bytes of every file under objects/, temp files of writes in flight included."""
-    total = 0
-    for dirpath, _, files in os.walk(root / "objects"):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
 
 
 async def run_python(code: str) -> str:

@@ -6,7 +6,6 @@ leave the store's books, and a read of an evicted name is a counted miss, never 
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 from pathlib import Path
 
@@ -15,20 +14,9 @@ import torch
 from kvstore.backends.disk import DiskBackend
 from kvstore.store_config import StoreConfig
 from kvstore.tiered import TieredStore
+from tests.support.disk import on_disk
 
 CHUNK = 16 << 10  # float32 elements: 64 KiB of payload per chunk
-
-
-def on_disk(root: Path) -> int:
-    """Bytes of every file under objects/, temp files of writes in flight included."""
-    total = 0
-    for dirpath, _, files in os.walk(root / "objects"):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(dirpath, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
 
 
 def chunk(i: int) -> torch.Tensor:
