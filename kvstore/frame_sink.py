@@ -4,7 +4,8 @@ Owns: `FrameSink`, the `kvstore.backends.stream.StreamSink` that reads a stored 
 prefix and header from its first bytes, asks its owner where the payload goes (e.g.
 straight into the caller's tensor), hashes each payload block while it is still in
 cache, and at the end says whether the frame was whole and intact.  Must not touch:
-tensors and allocation (the owner's `place` callback), I/O (the backend's).
+tensors and allocation (the owner's `place` callback), I/O (the backend's; it reads
+only from a descriptor a backend opened and hands it, `feed_pread`).
 
 The bytes land in the owner's buffer before they are verified: the owner must not hand
 them on unless `finish()` left `error` unset.
@@ -14,8 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import crc32c
-
+from kvstore.checksum import copy_crc32c, crc32c, pread_crc32c
 from kvstore.frame import (
     CHECKSUM_ALGO,
     MAX_HEADER_LEN,
@@ -77,8 +77,17 @@ class FrameSink:
         return dst, off
 
     def feed(self, block: memoryview) -> None:
-        self._csum = crc32c.crc32c(block, self._csum)
+        self._csum = crc32c(block, self._csum)
         self._got += len(block)
+
+    def feed_from(self, block: memoryview, src: memoryview) -> None:
+        self._csum = copy_crc32c(block, src, self._csum)  # one pass: copied and hashed
+        self._got += len(block)
+
+    def feed_pread(self, fd: int, block: memoryview, offset: int) -> int:
+        n, self._csum = pread_crc32c(fd, block, offset, self._csum)  # each block hashed as it lands
+        self._got += n
+        return n
 
     def finish(self) -> FrameSink:
         if self.placed and self.header is not None:

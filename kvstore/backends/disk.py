@@ -77,7 +77,7 @@ from kvstore.backends.base import (
     redact_url,
 )
 from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
-from kvstore.backends.stream import STREAM_BLOCK, StreamSink
+from kvstore.backends.stream import StreamSink
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.options import option_int, option_size, parse_bool, url_options
 
@@ -220,13 +220,7 @@ def _read_streamed(path: Path, sink: StreamSink, max_size: int) -> tuple[int, in
         where = sink.body(head[:got], size)
         if where is not None:
             dst, offset = where
-            for start in range(0, len(dst), STREAM_BLOCK):
-                block = dst[start : start + STREAM_BLOCK]
-                n = _pread_into(fd, block, offset + start)
-                got += n
-                sink.feed(block[:n])
-                if n < len(block):
-                    break
+            got += sink.feed_pread(fd, dst, offset)
         return size, got, sink.finish()
     finally:
         os.close(fd)

@@ -144,6 +144,12 @@ class _WholeValue:
     def feed(self, block: memoryview) -> None:
         return None
 
+    def feed_from(self, block: memoryview, src: memoryview) -> None:
+        block[:] = src
+
+    def feed_pread(self, fd: int, block: memoryview, offset: int) -> int:
+        raise NotImplementedError("a Redis value is not read from a file")
+
     def finish(self) -> memoryview | None:
         return self.buf
 
@@ -267,7 +273,11 @@ class RedisBackend(Backend):
         streams = None
         if scheme in ("redis", "unix"):  # TLS and Cluster stay on redis-py
             kw = pool.connection_kwargs
-            address = Address(path=kw["path"]) if "path" in kw else Address(kw.get("host", "localhost"), kw.get("port", 6379))
+            address = (
+                Address(path=kw["path"])
+                if "path" in kw
+                else Address(kw.get("host", "localhost"), kw.get("port", 6379))
+            )
             streams = RespStreams(
                 address,
                 username=username or None,

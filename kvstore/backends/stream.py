@@ -11,6 +11,11 @@ in one blocking step off the event loop: open the object, read its first
 object offset it starts at; None: stop here), read that range into the buffer in blocks
 of `STREAM_BLOCK` bytes handing each block to ``sink.feed`` right after it lands (still
 in cache), and return ``sink.finish()``.  A missing object or an I/O error is None.
+A backend reading a local file hands the sink the open descriptor instead
+(``sink.feed_pread``), so the read-and-hash loop can run without returning to Python.
+An object already in memory goes through `stream_from_buffer`, which hands the sink
+each source range with ``sink.feed_from(dst, src)``: the sink copies it (and may hash it
+in the same pass over the bytes).
 Sinks run on the backend's worker threads, so what they call must be thread-safe.
 """
 
@@ -28,25 +33,30 @@ class StreamSink(Protocol):
 
     def feed(self, block: memoryview) -> None: ...
 
+    def feed_from(self, block: memoryview, src: memoryview) -> None:
+        """Copy `src` into `block` (same length), then as `feed(block)`."""
+        ...
+
+    def feed_pread(self, fd: int, block: memoryview, offset: int) -> int:
+        """Read `block` from file descriptor `fd` at `offset` (a file a backend opened;
+        short only at end of file), then as `feed` over what was read; bytes read."""
+        ...
+
     def finish(self) -> Any: ...
 
 
 def stream_from_buffer(raw: memoryview, sink: StreamSink) -> object:
     """Drive `sink` over an object already in memory (a memory tier's view, or a buffer a
-    network read filled): the same steps a streaming backend takes, copying block by block
-    so each block is still in cache when the sink sees it."""
+    network read filled): the same steps a streaming backend takes, the payload handed
+    over in one `feed_from` (the sink copies and hashes it in one pass)."""
     raw = raw.cast("B") if raw.format != "B" or raw.ndim != 1 else raw
     size = len(raw)
     where = sink.body(raw[: min(size, sink.head)], size)
     if where is not None:
         dst, offset = where
-        for start in range(0, len(dst), STREAM_BLOCK):
-            block = dst[start : start + STREAM_BLOCK]
-            src = raw[offset + start : offset + start + len(block)]
-            block[: len(src)] = src
-            sink.feed(block[: len(src)])
-            if len(src) < len(block):
-                break
+        dst = dst.cast("B") if dst.format != "B" or dst.ndim != 1 else dst
+        src = raw[offset : offset + len(dst)]
+        sink.feed_from(dst[: len(src)], src)
     return sink.finish()
 
 

@@ -1,0 +1,112 @@
+"""kvstore.checksum: the frame checksum gives the crc32c package's values on every path.
+
+On a CPU with AVX-512 VPCLMULQDQ these run the compiled kernels; elsewhere the fallback
+(the package).  The fallback is also tested directly (KVSTORE_CRC32C=package in a
+fresh process), so both paths are covered on any machine that has the kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import crc32c as pkg
+import pytest
+
+from kvstore import checksum
+from kvstore.frame import ChecksumMismatchError, decode_frame, encode_frame
+
+LENGTHS = [0, 1, 7, 8, 63, 64, 65, 255, 256, 257, 511, 1023, 1024, 1025, 4096 + 17, 65536, (256 << 10) + 3]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+@pytest.mark.parametrize("misalign", [0, 1, 13])
+def test_crc32c_matches_the_package(n: int, misalign: int) -> None:
+    rng = random.Random(n * 31 + misalign)
+    raw = rng.randbytes(n + misalign)
+    view = memoryview(raw)[misalign:]
+    start = rng.getrandbits(32)
+    assert checksum.crc32c(view, start) == pkg.crc32c(view, start)
+    assert checksum.crc32c(bytearray(view)) == pkg.crc32c(view)
+
+
+def test_crc32c_continues_across_pieces() -> None:
+    data = random.Random(1).randbytes(3 << 20)
+    value = 0
+    for cut in range(0, len(data), 300_001):
+        value = checksum.crc32c(data[cut : cut + 300_001], value)
+    assert value == pkg.crc32c(data)
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_copy_crc32c_copies_and_hashes(n: int) -> None:
+    src = random.Random(n).randbytes(n + 5)[5:]
+    dst = bytearray(n + 3)
+    got = checksum.copy_crc32c(memoryview(dst)[3:], src, 42)
+    assert bytes(dst[3:]) == src
+    assert dst[:3] == b"\0\0\0"  # nothing written outside the destination
+    assert got == pkg.crc32c(src, 42)
+
+
+def test_copy_crc32c_refuses_mismatched_lengths() -> None:
+    with pytest.raises(ValueError, match="destination is 3 bytes, source 4"):
+        checksum.copy_crc32c(bytearray(3), b"abcd")
+
+
+@pytest.mark.parametrize("size", [0, 100, (256 << 10) - 1, (1 << 20) + 77])
+def test_pread_crc32c_reads_a_file_range(size: int) -> None:
+    data = random.Random(size).randbytes(size + 64)
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        fd = os.open(f.name, os.O_RDONLY)
+        try:
+            dst = bytearray(size)
+            got, value = checksum.pread_crc32c(fd, dst, 64, 5)
+            assert got == size and bytes(dst) == data[64:]
+            assert value == pkg.crc32c(data[64:], 5)
+            # past the end: short, and the checksum covers only what was read
+            longer = bytearray(size + 1000)
+            got, value = checksum.pread_crc32c(fd, longer, 64)
+            assert got == size and value == pkg.crc32c(data[64:])
+        finally:
+            os.close(fd)
+
+
+def test_pread_crc32c_error_is_an_oserror() -> None:
+    r, w = os.pipe()
+    os.close(w)
+    os.close(r)
+    with pytest.raises(OSError):
+        checksum.pread_crc32c(r, bytearray(4096), 0)
+
+
+def test_frames_checked_with_the_fast_path_catch_a_flipped_bit() -> None:
+    payload = bytearray(random.Random(3).randbytes(1 << 20))
+    parts = encode_frame([payload], codec="raw", key="k")
+    blob = bytearray(b"".join(bytes(p) for p in parts))
+    assert bytes(decode_frame(blob, key="k").payload) == payload
+    blob[-12345] ^= 0x10
+    with pytest.raises(ChecksumMismatchError):
+        decode_frame(blob, key="k")
+
+
+def test_the_package_fallback_gives_the_same_values() -> None:
+    code = (
+        "import random, crc32c, os, tempfile\n"
+        "from kvstore import checksum\n"
+        "assert not checksum.fast()\n"
+        "d = random.Random(0).randbytes(70000)\n"
+        "assert checksum.crc32c(d, 3) == crc32c.crc32c(d, 3)\n"
+        "b = bytearray(len(d)); assert checksum.copy_crc32c(b, d) == crc32c.crc32c(d) and b == d\n"
+        "f = tempfile.NamedTemporaryFile(); f.write(d); f.flush(); fd = os.open(f.name, os.O_RDONLY)\n"
+        "b = bytearray(len(d) + 9); assert checksum.pread_crc32c(fd, b, 0) == (len(d), crc32c.crc32c(d))\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "KVSTORE_CRC32C": "package"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
