@@ -324,6 +324,7 @@ finish:
 
 
 _REQUIRED = ("avx512f", "vpclmulqdq", "pclmul", "sse4.2")
+ENV_FALLBACK = "KVSTORE_CRC32C"  # "package": never compile the kernels
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -351,7 +352,7 @@ class _Kernels:
 def _compile() -> _Kernels | None:
     """The kernels for this CPU, or None (no AVX-512 carry-less multiply, or
     ``KVSTORE_CRC32C=package`` set to force the fallback)."""
-    if os.environ.get("KVSTORE_CRC32C", "").lower() == "package":
+    if os.environ.get(ENV_FALLBACK, "").lower() == "package":
         return None
     try:
         import llvmlite.binding as llvm
@@ -411,6 +412,16 @@ def _bytes_view(buf: Buffer) -> memoryview:
     return mv
 
 
+def warm_up() -> None:
+    """Compile the kernels on a daemon thread now (~0.1 s), so the first frame checked
+    does not wait for it; once per process, a no-op after."""
+    with _lock:
+        if "kernels" in _state or "warming" in _state:
+            return
+        _state["warming"] = threading.Thread(target=_kernels, name="kvstore-crc32c-warm-up", daemon=True)
+    _state["warming"].start()
+
+
 def fast() -> bool:
     """Whether the vpclmulqdq kernels serve on this machine (else the package does)."""
     return _kernels() is not None
@@ -463,4 +474,4 @@ def pread_crc32c(fd: int, dst: Buffer, offset: int, value: int = 0) -> tuple[int
     return got, int(crc.value)
 
 
-__all__ = ["MIN_FAST", "PREAD_BLOCK", "copy_crc32c", "crc32c", "fast", "pread_crc32c"]
+__all__ = ["MIN_FAST", "PREAD_BLOCK", "copy_crc32c", "crc32c", "fast", "pread_crc32c", "warm_up"]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
+from kvstore import checksum
 from kvstore import codec as codecs
 from kvstore.backends import Alloc, Backend, open_backend
 from kvstore.backends.base import Capabilities, redact_url
@@ -105,6 +106,7 @@ class Tier:
         self.name = name or redact_url(backend.url)
         self.counters = TierCounters()
         self._decoders: dict[str, codecs.Codec] = {self.codec.name: self.codec}
+        checksum.warm_up()  # the CRC32C kernels compile off the read path
 
     @classmethod
     def open(cls, url: str, codec: str | codecs.Codec = "raw", *, name: str = "") -> Tier:

@@ -636,6 +636,23 @@ def check_metrics(report: Report, facts: dict[str, Any]) -> None:
     report.add("metrics", OK, f"served on http://{addr}:{port}/metrics, and {where}")
 
 
+def check_checksum(report: Report) -> None:
+    """Which CRC32C code verifies frames here (both give the same values)."""
+    from kvstore import checksum
+
+    if checksum.fast():
+        report.add("checksum", OK, "CRC32C by the AVX-512 VPCLMULQDQ kernels (~2x the crc32c package)")
+    elif os.environ.get(checksum.ENV_FALLBACK, "").lower() == "package":
+        report.add("checksum", INFO, f"CRC32C by the crc32c package ({checksum.ENV_FALLBACK}=package is set)")
+    else:
+        report.add(
+            "checksum",
+            INFO,
+            "CRC32C by the crc32c package: this CPU has no AVX-512 VPCLMULQDQ (or the kernels "
+            "could not be compiled; the log says why); verified reads cost more CPU here",
+        )
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -677,6 +694,7 @@ def run_doctor(*, config_file: str | None, l2_adapter: str | None, timeout: floa
 
     asyncio.run(tiers())
     check_metrics(report, facts)
+    check_checksum(report)
     report.exit_code = EXIT_FAILED if report.failed else 0
     return report
 

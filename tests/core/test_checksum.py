@@ -110,3 +110,10 @@ def test_the_package_fallback_gives_the_same_values() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_warm_up_compiles_once_and_changes_no_value() -> None:
+    checksum.warm_up()
+    checksum.warm_up()
+    data = random.Random(9).randbytes(5000)
+    assert checksum.crc32c(data) == pkg.crc32c(data)
