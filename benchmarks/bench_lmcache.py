@@ -15,7 +15,13 @@ Configurations:
 * ``lmcache-redis``  LMCache's Redis connector on a local ``redis-server`` (if installed);
 * ``kvstore-redis``  kvstore storage plugin, one ``redis://`` tier on the same server (db 1);
 * ``kvstore-mem+disk``  kvstore with a memory tier over the disk tier (what a restarted
-  process does not have; shown for scale).
+  process does not have; shown for scale);
+* with ``--s3``: ``lmcache-s3`` (LMCache's S3 connector, awscrt) and ``kvstore-s3`` (the
+  storage plugin, one ``s3://`` tier) against one SeaweedFS (``weed mini``) on loopback.
+  LMCache's connector addresses a bucket by virtual host only (``Host: BUCKET.HOST``),
+  so the S3 server runs with ``-s3.domainName=localhost`` and ``kvbench.localhost`` must
+  resolve to 127.0.0.1 (a line ``127.0.0.1 kvbench.localhost`` in /etc/hosts); without
+  it only ``kvstore-s3`` runs.
 
 Usage: ``python benchmarks/bench_lmcache.py [--chunks 8] [--rounds 5] [--json out.json]``.
 """
@@ -85,7 +91,61 @@ def redis_server():
         proc.wait(10)
 
 
-def configs(tmp: Path, redis_url: str | None) -> dict[str, dict[str, str]]:
+S3_BUCKET = "kvbench"
+
+
+@contextlib.contextmanager
+def s3_server(enabled: bool):
+    if not enabled:
+        yield None
+        return
+    from kvstore.testing.seaweed import SeaweedS3
+
+    s3 = SeaweedS3(extra_args=("-s3.domainName=localhost",)).start()
+    try:
+        s3.create_bucket(S3_BUCKET)
+        yield s3
+    finally:
+        s3.stop()
+
+
+def s3_configs(base: dict[str, str], s3, options: str = "") -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    try:
+        socket.getaddrinfo(f"{S3_BUCKET}.localhost", s3.ports.s3)
+    except OSError:
+        print(f"  (lmcache-s3 skipped: {S3_BUCKET}.localhost does not resolve; see the docstring)", flush=True)
+    else:
+        out["lmcache-s3"] = {
+            **base,
+            "LMCACHE_REMOTE_URL": f"s3://{S3_BUCKET}.localhost:{s3.ports.s3}",
+            "LMCACHE_REMOTE_SERDE": "naive",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(
+                {
+                    "s3_num_io_threads": 8,
+                    "s3_prefer_http2": False,
+                    "s3_region": "us-east-1",
+                    "disable_tls": True,
+                    "aws_access_key_id": s3.access_key,
+                    "aws_secret_access_key": s3.secret_key,
+                }
+            ),
+        }
+    out["kvstore-s3"] = {
+        **base,
+        "LMCACHE_STORAGE_PLUGINS": "kvstore",
+        "LMCACHE_EXTRA_CONFIG": json.dumps(
+            {
+                **PLUGIN,
+                "kvstore.tiers": [s3.url(S3_BUCKET, "kvbench") + (f"&{options}" if options else "")],
+                "kvstore.timeout_s": 30,
+            }
+        ),
+    }
+    return out
+
+
+def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> dict[str, dict[str, str]]:
     base = {
         "LMCACHE_CHUNK_SIZE": "256",
         "LMCACHE_LOCAL_CPU": "False",
@@ -132,6 +192,8 @@ def configs(tmp: Path, redis_url: str | None) -> dict[str, dict[str, str]]:
                 {**PLUGIN, "kvstore.tiers": [f"{redis_url}/1"], "kvstore.timeout_s": 30}
             ),
         }
+    if s3 is not None:
+        out.update(s3_configs(base, s3, s3_options))
     out["kvstore-mem+disk"] = {
         **base,
         "LMCACHE_STORAGE_PLUGINS": "kvstore",
@@ -230,6 +292,10 @@ def main() -> None:
         default="contiguous",
         help="contiguous: copy to/from HF-layout KV tensors; none: no KV copies (storage path only)",
     )
+    ap.add_argument("--s3", action="store_true", help="also LMCache's S3 connector vs kvstore's S3 tier (SeaweedFS)")
+    ap.add_argument(
+        "--s3-options", default="", help="URL options of kvstore's s3:// tier, e.g. range_threshold=1GiB"
+    )
     ap.add_argument("--only", nargs="*", help="run only these configurations")
     ap.add_argument("--tmp", default=None, help="directory for the disk tiers (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -246,8 +312,13 @@ def main() -> None:
         for _ in range(args.layers)
     ]
     results = []
-    with tempfile.TemporaryDirectory(dir=args.tmp) as d, redis_server() as redis_url:
-        for name, env in configs(Path(d), redis_url).items():
+    with (
+        tempfile.TemporaryDirectory(dir=args.tmp) as d,
+        redis_server() as redis_url,
+        s3_server(args.s3) as s3,
+        (s3.credentials_env() if s3 is not None else contextlib.nullcontext()),
+    ):
+        for name, env in configs(Path(d), redis_url, s3, args.s3_options).items():
             if args.only and name not in args.only:
                 continue
             res = run_config(name, env, args, kv)
@@ -257,13 +328,24 @@ def main() -> None:
                 f"   ({res['bytes_per_prompt'] / 2**20:.0f} MiB per prompt)",
                 flush=True,
             )
-    base = next((r for r in results if r["config"] == "lmcache-disk"), None)
+    by_name = {r["config"]: r for r in results}
+    base = by_name.get("lmcache-disk")
     if base:
         print("\nratios vs lmcache-disk (same run):")
         for r in results:
             print(
                 f"{r['config']:22s} store x{r['store_GBps'] / base['store_GBps']:.2f}"
                 f"   retrieve x{r['retrieve_GBps'] / base['retrieve_GBps']:.2f}"
+            )
+    peers = [(k, lm) for k, lm in (("kvstore-redis", "lmcache-redis"), ("kvstore-s3", "lmcache-s3"))]
+    peers = [(k, lm) for k, lm in peers if k in by_name and lm in by_name]
+    if peers:
+        print("\nratios vs LMCache's connector of the same kind (same run):")
+        for k, lm in peers:
+            a, b = by_name[k], by_name[lm]
+            print(
+                f"{k + ' / ' + lm:30s} store x{a['store_GBps'] / b['store_GBps']:.2f}"
+                f"   retrieve x{a['retrieve_GBps'] / b['retrieve_GBps']:.2f}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

@@ -22,7 +22,7 @@ range_threshold                16MiB            objects larger than this downloa
 range_size                     8MiB             size of one ranged GET
 checksum                       when_required    botocore request_checksum_calculation and
                                                 response_checksum_validation: when_required
-                                                (frames carry their own XXH3 checksum) or
+                                                (frames carry their own CRC32C checksum) or
                                                 when_supported (CRC on every request too)
 retry_mode                     standard         botocore retry mode: standard | adaptive | legacy
 max_attempts                   4                attempts per request, first one included

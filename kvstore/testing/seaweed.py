@@ -142,6 +142,7 @@ class SeaweedS3:
     data_dir: Path | None = None
     start_timeout: float = 30.0
     ports: SeaweedPorts = field(default_factory=SeaweedPorts.pick)
+    extra_args: tuple[str, ...] = ()  # more `weed mini` flags, e.g. "-s3.domainName=localhost"
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _tmp: str | None = field(default=None, init=False, repr=False)
 
@@ -224,6 +225,7 @@ class SeaweedS3:
             f"-s3.config={identities}",
             "-admin.ui=false",
             "-master.telemetry=false",
+            *self.extra_args,
         ]
         log = open(self.data_dir / "weed.log", "ab")  # noqa: SIM115 - handed to the child
         try:
