@@ -1,16 +1,16 @@
 """Streamed reads: an object's bytes land where its reader says, block by block.
 
 Owns: the `StreamSink` protocol a backend that supports ``read_streamed`` drives, and
-`STREAM_BLOCK`.  Must not touch: frames or tensors (the sink knows those; the backend
+`stream_from_buffer`.  Must not touch: frames or tensors (the sink knows those; the backend
 only moves bytes).
 
 A backend with ``async read_streamed(names, open_sink) -> [result | None]`` calls
 ``open_sink(name)`` once per name, in order, before any read starts; then, for each name,
 in one blocking step off the event loop: open the object, read its first
 ``sink.head`` bytes, ask ``sink.body(head, size)`` where the rest goes (a buffer and the
-object offset it starts at; None: stop here), read that range into the buffer in blocks
-of `STREAM_BLOCK` bytes handing each block to ``sink.feed`` right after it lands (still
-in cache), and return ``sink.finish()``.  A missing object or an I/O error is None.
+object offset it starts at; None: stop here), read that range into the buffer block by
+block (socket reads, for Redis) handing each block to ``sink.feed`` right after it lands
+(still in cache), and return ``sink.finish()``.  A missing object or an I/O error is None.
 A backend reading a local file hands the sink the open descriptor instead
 (``sink.feed_pread``), so the read-and-hash loop can run without returning to Python.
 An object already in memory goes through `stream_from_buffer`, which hands the sink
@@ -22,8 +22,6 @@ Sinks run on the backend's worker threads, so what they call must be thread-safe
 from __future__ import annotations
 
 from typing import Any, Protocol
-
-STREAM_BLOCK = 256 << 10
 
 
 class StreamSink(Protocol):
@@ -60,4 +58,4 @@ def stream_from_buffer(raw: memoryview, sink: StreamSink) -> object:
     return sink.finish()
 
 
-__all__ = ["STREAM_BLOCK", "StreamSink", "stream_from_buffer"]
+__all__ = ["StreamSink", "stream_from_buffer"]
