@@ -117,3 +117,20 @@ def test_warm_up_compiles_once_and_changes_no_value() -> None:
     checksum.warm_up()
     data = random.Random(9).randbytes(5000)
     assert checksum.crc32c(data) == pkg.crc32c(data)
+
+
+@pytest.mark.parametrize("skew", [0, 8])
+def test_copy_crc32c_large_aligned_and_unaligned_destinations(skew: int) -> None:
+    """From 8 MiB a 64-byte-aligned destination takes streaming stores; both paths must
+    copy exactly and give the package's value."""
+    import torch
+
+    n = checksum.NT_MIN + 100
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(skew))
+    room = torch.zeros(n + 128, dtype=torch.uint8)
+    start = (-room.data_ptr()) % 64 + skew
+    dst = room[start : start + n]
+    got = checksum.copy_crc32c(dst.numpy().data, src.numpy().data, 11)
+    assert got == pkg.crc32c(src.numpy().data, 11)
+    assert torch.equal(dst, src)
+    assert int(room[:start].sum()) == 0 and int(room[start + n :].sum()) == 0
