@@ -20,6 +20,7 @@ wall ms per batch (min / median / max), CPU ms per batch (all threads), and each
 as a fraction of ``readinto``'s.
 
 Usage: python benchmarks/bench_plugin_floor.py [--chunks 8] [--rounds 60] [--options fsync=false]
+       [--switch-interval SECONDS]
 """
 
 from __future__ import annotations
@@ -51,10 +52,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the run (Python default 0.005 s)"
+    )
     ap.add_argument("--options", default="fsync=false", help="URL options of the file:// tier")
     ap.add_argument("--tmp", default=None, help="directory for the disk tier (default: a temp dir)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     tmp = Path(tempfile.mkdtemp(dir=args.tmp))
     os.environ.update(
         {
