@@ -74,27 +74,26 @@ def main() -> None:
         finally:
             os.close(fd)
 
-    def pread_crc_package() -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            c = 0
-            for start in range(0, n, BLOCK):
-                b = buf[start : start + BLOCK]
-                os.preadv(fd, [b], start)
-                c = crc32c.crc32c(b, c)
-        finally:
-            os.close(fd)
+    def blocks(
+        into: memoryview, size: int, crc: Callable[[memoryview, int], int], flags: int = 0
+    ) -> Callable[[], None]:
+        """Read the file into `into` in blocks of `size`, hashing each with `crc`."""
 
-    def direct_crc() -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            c = 0
-            for start in range(0, n, DIRECT_BLOCK):
-                b = direct_buf[start : start + DIRECT_BLOCK]
-                os.preadv(fd, [b], start)
-                c = checksum.crc32c(b, c)
-        finally:
-            os.close(fd)
+        def run() -> None:
+            fd = os.open(path, os.O_RDONLY | flags)
+            try:
+                c = 0
+                for start in range(0, n, size):
+                    b = into[start : start + size]
+                    os.preadv(fd, [b], start)
+                    c = crc(b, c)
+            finally:
+                os.close(fd)
+
+        return run
+
+    pread_crc_package = blocks(buf, BLOCK, crc32c.crc32c)
+    direct_crc = blocks(direct_buf, DIRECT_BLOCK, checksum.crc32c, os.O_DIRECT)
 
     def drop() -> None:
         fd = os.open(path, os.O_RDONLY)
