@@ -2,14 +2,16 @@
 
 One LMCache engine (CPU, ``LMCACHE_LOCAL_CPU=False``) with kvstore's storage plugin over
 one ``file://`` tier stores one prompt of --chunks chunks; then, in interleaved rounds,
-the same chunks are read into the same MemoryObjs (LMCache's allocator) three ways:
+the same chunks are read into the same MemoryObjs (LMCache's allocator) four ways:
 
     readinto            what LMCache's LocalDiskBackend does for a batch: each chunk's
                         file read whole with ``readinto`` on a pool of 4 threads (its
                         ``disk_io_threads`` default); no check (the unverified floor)
     pread+crc           the same pool, each file read with ``kvstore.checksum.pread_crc32c``
-                        (256 KiB blocks, CRC32C over each as it lands): the least a
-                        verified read must do (the verified floor)
+                        (256 KiB blocks, CRC32C over each as it lands)
+    mapped+crc          the same pool, each file copied through a read-only mapping with
+                        ``kvstore.checksum.mapped_crc32c`` (checksummed in the same pass,
+                        streaming stores): the least the disk tier's verified read does
     plugin              ``KVStoreStoragePlugin.batched_get_blocking``: the whole path
                         (keys -> names, the store's loop, the disk tier's streamed read,
                         frame header, key and CRC32C checks, MemoryObjs allocated)
@@ -119,6 +121,14 @@ def main() -> None:
         finally:
             os.close(fd)
 
+    def mapped_crc(i: int) -> None:
+        fd = os.open(paths[i], os.O_RDONLY)
+        try:
+            if checksum.mapped_crc32c(fd, views[i][: lengths[i]], 0) is None:
+                checksum.pread_crc32c(fd, views[i][: lengths[i]], 0)
+        finally:
+            os.close(fd)
+
     def plugin_read() -> None:
         got = plugin.batched_get_blocking(keys)
         if any(o is None for o in got):
@@ -129,11 +139,12 @@ def main() -> None:
     cases = [
         ("readinto", lambda: list(pool.map(readinto, range(len(paths))))),
         ("pread+crc", lambda: list(pool.map(pread_crc, range(len(paths))))),
+        ("mapped+crc", lambda: list(pool.map(mapped_crc, range(len(paths))))),
         ("plugin", plugin_read),
     ]
     res: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in cases}
     for r in range(args.rounds + 3):
-        for name, fn in cases[r % 3 :] + cases[: r % 3]:
+        for name, fn in cases[r % len(cases) :] + cases[: r % len(cases)]:
             t, c = time.perf_counter(), time.process_time()
             fn()
             if r >= 3:  # the first rounds warm up

@@ -191,6 +191,9 @@ declare i32 @llvm.x86.sse42.crc32.32.8(i32, i8)
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 declare void @llvm.x86.sse.sfence()
 declare i64 @pread(i32, ptr, i64, i64)
+declare ptr @mmap(ptr, i64, i32, i32, i32, i64)
+declare i32 @munmap(ptr, i64)
+declare i32 @mincore(ptr, i64, ptr)
 declare ptr @__errno_location()
 
 define internal i32 @tail(i32 %crc, ptr %p, i64 %n) nounwind {
@@ -278,6 +281,92 @@ short:
   ret i32 %c3
 }
 
+; as kvs_copy_crc32c, streaming whenever the destination is 64-byte aligned (any size);
+; the caller issues the sfence
+define internal i32 @copy_crc32c_nt(i32 %crc, ptr %dst, ptr %src, i64 %n) nounwind {
+entry:
+  %big = icmp uge i64 %n, MIN_BULK
+  %dst.i = ptrtoint ptr %dst to i64
+  %dst.low = and i64 %dst.i, 63
+  %aligned = icmp eq i64 %dst.low, 0
+  %stream = and i1 %aligned, %big
+  br i1 %stream, label %nt, label %other
+nt:
+  %bulk.n = and i64 %n, -64
+  %c.nt = call i32 @bulk_copy_nt(i32 %crc, ptr %dst, ptr %src, i64 %bulk.n)
+  %rest.d = getelementptr i8, ptr %dst, i64 %bulk.n
+  %rest.s = getelementptr i8, ptr %src, i64 %bulk.n
+  %rest.n = sub i64 %n, %bulk.n
+  call void @llvm.memcpy.p0.p0.i64(ptr %rest.d, ptr %rest.s, i64 %rest.n, i1 false)
+  %c2 = call i32 @tail(i32 %c.nt, ptr %rest.d, i64 %rest.n)
+  ret i32 %c2
+other:
+  %c3 = call i32 @kvs_copy_crc32c(i32 %crc, ptr %dst, ptr %src, i64 %n)
+  ret i32 %c3
+}
+
+; n bytes of file %fd from %offset copied into %dst through a read-only shared mapping
+; (MAP_POPULATE: the pages are mapped, or read in, before the copy starts), hashed on
+; the way, with streaming stores: the page cache is read once and %dst written once.
+; Returns n; -errno if mapping fails; -61 (ENODATA) when mincore finds a page of the
+; range not in the page cache after populating it (a read failed): nothing is copied
+; then, and the caller reads with pread instead.  %vec holds one byte per page mapped.
+define i64 @kvs_mapped_crc32c(i32 %fd, ptr %dst, i64 %n, i64 %offset, ptr %vec, ptr %crcp) nounwind {
+entry:
+  %crc0 = load i32, ptr %crcp, align 4
+  %base = and i64 %offset, -4096
+  %delta = sub i64 %offset, %base
+  %len = add i64 %n, %delta
+  %m = call ptr @mmap(ptr null, i64 %len, i32 1, i32 32769, i32 %fd, i64 %base)
+  %mi = ptrtoint ptr %m to i64
+  %mfail = icmp eq i64 %mi, -1
+  br i1 %mfail, label %errno, label %check
+check:
+  %rc = call i32 @mincore(ptr %m, i64 %len, ptr %vec)
+  %cfail = icmp ne i32 %rc, 0
+  br i1 %cfail, label %unmap.errno, label %scan.start
+scan.start:
+  %pages.a = add i64 %len, 4095
+  %pages = lshr i64 %pages.a, 12
+  br label %scan
+scan:
+  %i = phi i64 [0, %scan.start], [%i.next, %scan.next]
+  %more = icmp ult i64 %i, %pages
+  br i1 %more, label %scan.body, label %copy
+scan.body:
+  %vp = getelementptr i8, ptr %vec, i64 %i
+  %vb = load i8, ptr %vp, align 1
+  %res = and i8 %vb, 1
+  %absent = icmp eq i8 %res, 0
+  br i1 %absent, label %unmap.absent, label %scan.next
+scan.next:
+  %i.next = add i64 %i, 1
+  br label %scan
+copy:
+  %src = getelementptr i8, ptr %m, i64 %delta
+  %crc1 = call i32 @copy_crc32c_nt(i32 %crc0, ptr %dst, ptr %src, i64 %n)
+  call void @llvm.x86.sse.sfence()
+  %u = call i32 @munmap(ptr %m, i64 %len)
+  store i32 %crc1, ptr %crcp, align 4
+  ret i64 %n
+unmap.absent:
+  %u2 = call i32 @munmap(ptr %m, i64 %len)
+  ret i64 -61
+unmap.errno:
+  %errp1 = call ptr @__errno_location()
+  %err1 = load i32, ptr %errp1, align 4
+  %u3 = call i32 @munmap(ptr %m, i64 %len)
+  %neg1 = sub i32 0, %err1
+  %neg1.64 = sext i32 %neg1 to i64
+  ret i64 %neg1.64
+errno:
+  %errp2 = call ptr @__errno_location()
+  %err2 = load i32, ptr %errp2, align 4
+  %neg2 = sub i32 0, %err2
+  %neg2.64 = sext i32 %neg2 to i64
+  ret i64 %neg2.64
+}
+
 ; bytes read (short only at end of file), or -errno; *%crcp continues over them
 define i64 @kvs_pread_crc32c(i32 %fd, ptr %dst, i64 %n, i64 %offset, i64 %block, ptr %crcp) nounwind {
 entry:
@@ -347,6 +436,9 @@ class _Kernels:
         self.pread = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, i64, ctypes.POINTER(u32))(
             addr("kvs_pread_crc32c")
         )
+        self.mapped = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, ptr, ctypes.POINTER(u32))(
+            addr("kvs_mapped_crc32c")
+        )
 
 
 def _compile() -> _Kernels | None:
@@ -412,6 +504,37 @@ def _bytes_view(buf: Buffer) -> memoryview:
     return mv
 
 
+_page_vectors = threading.local()  # mincore's one byte per page, per thread
+
+
+def mapped_crc32c(fd: int, dst: Buffer, offset: int, value: int = 0) -> tuple[int, int] | None:
+    """Copy ``len(dst)`` bytes of file `fd` from `offset` into `dst` through a read-only
+    mapping of the file, hashed in the same pass with streaming stores (no
+    read-for-ownership of `dst`): (bytes copied, CRC32C continued from `value`).
+
+    None when this path cannot serve (no kernels on this CPU, the file system refuses
+    the mapping, or a page of the range could not be brought into the page cache): read
+    with `pread_crc32c` instead, which reports I/O errors as `OSError`.  The caller
+    guarantees ``offset + len(dst)`` is within the file and that nobody truncates the file
+    while it is read (a page past a shrunk end of file faults with SIGBUS); the disk tier
+    never changes a published file in place.  Measured: about 1.3x the speed of an
+    unverified ``readinto`` of the same page-cache-warm bytes (docs/benchmarks/lmcache.md).
+    """
+    kernels = _kernels()
+    d = _bytes_view(dst)
+    if kernels is None or d.nbytes < MIN_FAST:
+        return None
+    pages = (offset % 4096 + d.nbytes + 4095) // 4096
+    vec = getattr(_page_vectors, "vec", None)
+    if vec is None or len(vec) < pages:
+        vec = _page_vectors.vec = bytearray(max(pages, 4096))
+    crc = ctypes.c_uint32(value)
+    got = int(kernels.mapped(fd, _address(d), d.nbytes, offset, _address(vec), ctypes.byref(crc)))
+    if got < 0:
+        return None
+    return got, int(crc.value)
+
+
 def warm_up() -> None:
     """Compile the kernels on a daemon thread now (~0.1 s), so the first frame checked
     does not wait for it; once per process, a no-op after."""
@@ -474,4 +597,13 @@ def pread_crc32c(fd: int, dst: Buffer, offset: int, value: int = 0) -> tuple[int
     return got, int(crc.value)
 
 
-__all__ = ["MIN_FAST", "PREAD_BLOCK", "copy_crc32c", "crc32c", "fast", "pread_crc32c", "warm_up"]
+__all__ = [
+    "MIN_FAST",
+    "PREAD_BLOCK",
+    "copy_crc32c",
+    "crc32c",
+    "fast",
+    "mapped_crc32c",
+    "pread_crc32c",
+    "warm_up",
+]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.checksum import copy_crc32c, crc32c, pread_crc32c
+from kvstore.checksum import copy_crc32c, crc32c, mapped_crc32c, pread_crc32c
 from kvstore.frame import (
     CHECKSUM_ALGO,
     MAX_HEADER_LEN,
@@ -84,8 +84,11 @@ class FrameSink:
         self._csum = copy_crc32c(block, src, self._csum)  # one pass: copied and hashed
         self._got += len(block)
 
-    def feed_pread(self, fd: int, block: memoryview, offset: int) -> int:
-        n, self._csum = pread_crc32c(fd, block, offset, self._csum)  # each block hashed as it lands
+    def feed_pread(self, fd: int, block: memoryview, offset: int, *, mapped: bool = False) -> int:
+        done = mapped_crc32c(fd, block, offset, self._csum) if mapped else None
+        if done is None:  # each block hashed as it lands
+            done = pread_crc32c(fd, block, offset, self._csum)
+        n, self._csum = done
         self._got += n
         return n
 

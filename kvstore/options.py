@@ -59,6 +59,14 @@ def option_int(name: str, text: str | int, *, minimum: int = 1) -> int:
     return value
 
 
+def option_bool(name: str, text: str | bool | None, default: bool) -> bool:
+    """A true/false setting (`default` when absent); the error names the setting."""
+    try:
+        return parse_bool(text, default)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a boolean; write {name}=true or {name}=false") from None
+
+
 def option_float(name: str, text: str | float, *, allow_zero: bool = False) -> float:
     """A positive (with `allow_zero`: non-negative) finite number; the error names the setting."""
     try:

@@ -84,6 +84,7 @@ from kvstore.codec.cachegen_format import HEAD, itemsize
 from kvstore.codec.cachegen_kernels import LANES, PROB_BITS, STATE_BYTES
 from kvstore.codec.cachegen_tables import alphabet
 from kvstore.frame import (
+    PAD_MAX,
     PREFIX_LEN,
     FrameError,
     FrameHeader,
@@ -250,7 +251,7 @@ class CacheGenFrameSerde(Serializer, Deserializer):
             ctime=time.time(),
             meta={"profile": prof.name},
         )
-        return len(msgpack.packb(worst.to_map(), use_bin_type=True)) + HEADER_SLACK
+        return len(msgpack.packb(worst.to_map(), use_bin_type=True)) + PAD_MAX + HEADER_SLACK
 
     def _payload_bound(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         P, L, T, C = shape

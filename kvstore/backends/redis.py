@@ -147,7 +147,7 @@ class _WholeValue:
     def feed_from(self, block: memoryview, src: memoryview) -> None:
         block[:] = src
 
-    def feed_pread(self, fd: int, block: memoryview, offset: int) -> int:
+    def feed_pread(self, fd: int, block: memoryview, offset: int, *, mapped: bool = False) -> int:
         raise NotImplementedError("a Redis value is not read from a file")
 
     def finish(self) -> memoryview | None:

@@ -35,9 +35,12 @@ class StreamSink(Protocol):
         """Copy `src` into `block` (same length), then as `feed(block)`."""
         ...
 
-    def feed_pread(self, fd: int, block: memoryview, offset: int) -> int:
+    def feed_pread(self, fd: int, block: memoryview, offset: int, *, mapped: bool = False) -> int:
         """Read `block` from file descriptor `fd` at `offset` (a file a backend opened;
-        short only at end of file), then as `feed` over what was read; bytes read."""
+        short only at end of file), then as `feed` over what was read; bytes read.
+        ``mapped``: the range lies within the file and the file is never changed in
+        place, so it may be copied through a mapping of the file
+        (`kvstore.checksum.mapped_crc32c`)."""
         ...
 
     def finish(self) -> Any: ...

@@ -134,3 +134,38 @@ def test_copy_crc32c_large_aligned_and_unaligned_destinations(skew: int) -> None
     assert got == pkg.crc32c(src.numpy().data, 11)
     assert torch.equal(dst, src)
     assert int(room[:start].sum()) == 0 and int(room[start + n :].sum()) == 0
+
+
+@pytest.mark.parametrize("size", [1024, 4096, 65536 + 7, (2 << 20) + 77])
+@pytest.mark.parametrize("offset", [0, 64, 4095, 4096, 12345])
+@pytest.mark.parametrize("skew", [0, 1])
+def test_mapped_crc32c_copies_a_file_range(size: int, offset: int, skew: int) -> None:
+    if not checksum.fast():
+        pytest.skip("the mapped read needs the vpclmulqdq kernels (this CPU reads with pread)")
+    data = random.Random(size + offset).randbytes(size + offset + 100)
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        fd = os.open(f.name, os.O_RDONLY)
+        try:
+            buf = bytearray(size + 128)
+            dst = memoryview(buf)[64 + skew : 64 + skew + size]  # aligned (streamed) and not
+            got = checksum.mapped_crc32c(fd, dst, offset, 9)
+            assert got == (size, pkg.crc32c(data[offset : offset + size], 9))
+            assert bytes(dst) == data[offset : offset + size]
+            assert buf[: 64 + skew] == bytes(64 + skew), "nothing written before the destination"
+            assert buf[64 + skew + size :] == bytes(len(buf) - 64 - skew - size), "nor after it"
+        finally:
+            os.close(fd)
+
+
+def test_mapped_crc32c_declines_what_it_cannot_map() -> None:
+    """A descriptor that cannot be mapped (a pipe, a closed one) is None: the caller
+    reads with pread_crc32c, which reports the error."""
+    r, w = os.pipe()
+    try:
+        assert checksum.mapped_crc32c(r, bytearray(4096), 0) is None
+    finally:
+        os.close(r)
+        os.close(w)
+    assert checksum.mapped_crc32c(r, bytearray(4096), 0) is None

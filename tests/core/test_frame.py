@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import struct
 
+import msgpack
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from kvstore.frame import (
     ChecksumMismatchError,
     CorruptHeaderError,
     FrameError,
+    FrameHeader,
     LengthMismatchError,
     UnsupportedVersionError,
     decode_frame,
@@ -88,3 +90,35 @@ def test_raw_codec_non_contiguous_and_empty() -> None:
 def test_unknown_codec_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="raw"):
         codec.get("zstd-magic")
+
+
+@pytest.mark.parametrize("key_len", [0, 1, 5, 40, 63, 64, 65, 200, 1000])
+def test_payloads_start_at_an_aligned_offset(key_len: int) -> None:
+    """Copies of a payload into a caller's (aligned) tensor run at full speed only when
+    source and destination agree modulo 64: writers pad the header to that."""
+    from kvstore.frame import PAD_MAX, PAYLOAD_ALIGN, read_header
+
+    key = "k" * key_len
+    parts = encode_frame([b"payload"], codec="raw", key=key, meta={"m": "x" * key_len})
+    assert len(parts[0]) % PAYLOAD_ALIGN == 0
+    header, off = read_header(b"".join(parts), key=key)
+    assert off == len(parts[0]) and header.key == key and header.meta == {"m": "x" * key_len}
+    unpadded = len(msgpack.packb(header.to_map(), use_bin_type=True)) + PREFIX_LEN
+    assert 0 <= off - unpadded <= PAD_MAX
+
+
+def test_frames_written_without_padding_still_read() -> None:
+    """Frames from before the padding (header packed as is) decode the same way."""
+    import zlib
+
+    from kvstore.frame import MAGIC, PREFIX, VERSION, checksum
+
+    payload = b"older frame payload"
+    header = FrameHeader(
+        codec="raw", dtype="uint8", shape=(len(payload),), layout="bytes", plen=len(payload),
+        csum=checksum([payload]), key="old",
+    )
+    hbytes = msgpack.packb(header.to_map(), use_bin_type=True)
+    blob = PREFIX.pack(MAGIC, VERSION, 0, 0, len(hbytes), zlib.crc32(hbytes)) + hbytes + payload
+    frame = decode_frame(blob, key="old")
+    assert bytes(frame.payload) == payload and frame.header == header

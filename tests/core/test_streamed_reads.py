@@ -121,3 +121,31 @@ async def test_a_keyless_or_misplaced_frame_is_a_miss_on_the_streamed_path(tmp_p
     assert await st.get_many([NAME], out=[out]) == [None]
     assert not out.any(), "nothing of the other key's tensor reaches the caller"
     await st.close()
+
+
+@pytest.mark.parametrize("mmap", ["true", "false"])
+async def test_mapped_and_pread_reads_hand_back_the_same_bytes(tmp_path: Path, mmap: str) -> None:
+    """The disk tier copies payloads through a mapping of the file by default and with
+    pread under ``mmap=false``: the same bytes, the same checks (a flipped bit is a miss)."""
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false&mmap={mmap}"])
+    backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
+    assert backend.mmap is (mmap == "true")
+    chunks = {f"ns/m/f-1-0/{i}": torch.randn(256, 1024 + i).to(torch.bfloat16) for i in range(6)}
+    await st.put_many(list(chunks.items()))
+    outs = [torch.empty_like(t) for t in chunks.values()]
+    got = await st.get_many(list(chunks), out=outs)
+    assert all(g is o and torch.equal(o, t) for g, o, t in zip(got, outs, chunks.values()))
+    path = backend.path_of("ns/m/f-1-0/3")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    outs = [torch.empty_like(t) for t in chunks.values()]
+    got = await st.get_many(list(chunks), out=outs)
+    assert [g is None for g in got] == [False, False, False, True, False, False]
+    assert st.tiers[0].counters.corrupt == 1
+    await st.close()
+
+
+def test_the_mmap_option_must_be_a_boolean(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mmap"):
+        DiskBackend.from_url(f"file://{tmp_path}?mmap=perhaps")
