@@ -16,6 +16,7 @@ Every component is escaped so that
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ MAX_COMPONENT_LEN = 64
 MAX_NAME_LEN = 320
 
 _SAFE = re.compile(r"[A-Za-z0-9_\-]")
+_ALL_SAFE = re.compile(r"[A-Za-z0-9_\-]+")
 _HEX_HASH = re.compile(r"^-?[0-9a-f]+$|^h[0-9a-f]+$")
 
 
@@ -32,6 +34,7 @@ class InvalidKeyError(ValueError):
     """A key or object name that cannot be stored; the message says which part is wrong."""
 
 
+@functools.lru_cache(maxsize=4096)  # models, formats and namespaces repeat on every chunk
 def escape_component(text: str) -> str:
     """Escape one name component: a reversible, path-safe spelling of `text`.
 
@@ -42,6 +45,8 @@ def escape_component(text: str) -> str:
     """
     if text == "":
         return "%"
+    if len(text) <= MAX_COMPONENT_LEN and _ALL_SAFE.fullmatch(text):
+        return text
     out = "".join(
         ch if _SAFE.fullmatch(ch) else "".join(f"%{b:02X}" for b in ch.encode("utf-8")) for ch in text
     )

@@ -39,7 +39,8 @@ Layout::
   (writes rename a new file over it, deletes unlink it): a process that truncates a
   file under the root while it is read would make the reader fault; set ``mmap=false``
   where something other than kvstore rewrites these files.  A batch is split among at
-  most ``concurrency`` worker jobs (one hop each, not one per object).
+  most ``concurrency`` worker jobs, no more than the CPUs this process may run on (one
+  hop each, not one per object).
 * ENOSPC, EACCES and files vanishing underneath are counted errors / misses.
 
 File names are the object name percent-escaped (``/`` → ``%2F``, ``.`` → ``%2E``), so
@@ -96,6 +97,8 @@ MAX_FILENAME = 250
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ids = itertools.count()
+# a warm read is a copy, bound by CPU: more reading jobs than cores only contend
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def encode_filename(name: str) -> str:
@@ -679,7 +682,8 @@ class DiskBackend(Backend):
         """Each object streamed into the sink ``open_sink(name)`` gives; the sinks'
         verdicts, None for a miss or an I/O error.
 
-        The objects are split among at most ``concurrency`` worker jobs, each reading its
+        The objects are split among at most ``concurrency`` worker jobs (and no more
+        than this process has CPUs: a read of warm pages is a copy), each reading its
         share one object after another: a batch costs that many executor hops and loop
         wake-ups, not one per object (each hop is a thread hand-off; on a machine with
         few cores the workers' copies keep every core busy, and a Python step waiting for
@@ -694,7 +698,7 @@ class DiskBackend(Backend):
         for k in todo:
             self._reading[names[k]] = self._reading.get(names[k], 0) + 1
         try:
-            jobs = min(len(todo), self.concurrency)
+            jobs = min(len(todo), self.concurrency, _CPUS)
             groups = [todo[j::jobs] for j in range(jobs)]
             results = await asyncio.gather(
                 *(self._run_group([(self.path_of(names[k]), sinks[k]) for k in g]) for g in groups)
