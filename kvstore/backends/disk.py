@@ -38,7 +38,8 @@ Layout::
   be read in).  A mapping is safe because a published file is never changed in place
   (writes rename a new file over it, deletes unlink it): a process that truncates a
   file under the root while it is read would make the reader fault; set ``mmap=false``
-  where something other than kvstore rewrites these files.  A batch is split among at
+  where something other than kvstore rewrites these files, or on a network file system
+  where another host's delete can withdraw an open file.  A batch is split among at
   most ``concurrency`` worker jobs, no more than the CPUs this process may run on (one
   hop each, not one per object).
 * ENOSPC, EACCES and files vanishing underneath are counted errors / misses.
