@@ -169,3 +169,32 @@ def test_mapped_crc32c_declines_what_it_cannot_map() -> None:
         os.close(r)
         os.close(w)
     assert checksum.mapped_crc32c(r, bytearray(4096), 0) is None
+
+
+def test_mapped_crc32c_leaves_a_cold_range_to_pread(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A range not in the page cache is not mapped (None): a cold read goes through
+    pread_crc32c, whose large requests read ahead, and whose I/O errors are errors."""
+    if not checksum.fast():
+        pytest.skip("the mapped read needs the vpclmulqdq kernels")
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit())
+    if release < (6, 5):
+        pytest.skip("cachestat(2) came with Linux 6.5; older kernels map at once")
+    path = tmp_path / "cold"
+    data = random.Random(5).randbytes(1 << 20)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            os.preadv(fd, [bytearray(1)], 4096, os.RWF_NOWAIT)
+            pytest.skip("this file system keeps the pages after POSIX_FADV_DONTNEED")
+        except BlockingIOError:
+            pass
+        dst = bytearray(len(data) - 64)
+        assert checksum.mapped_crc32c(fd, dst, 64) is None
+        assert checksum.pread_crc32c(fd, dst, 64) == (len(dst), pkg.crc32c(data[64:]))
+        got = checksum.mapped_crc32c(fd, dst, 64, 3)  # warm now: mapped
+        assert got == (len(dst), pkg.crc32c(data[64:], 3)) and bytes(dst) == data[64:]
+    finally:
+        os.close(fd)
