@@ -23,7 +23,11 @@ Configurations:
   resolve to 127.0.0.1 (a line ``127.0.0.1 kvbench.localhost`` in /etc/hosts); without
   it only ``kvstore-s3`` runs.
 
-Usage: ``python benchmarks/bench_lmcache.py [--chunks 8] [--rounds 5] [--json out.json]``.
+With ``--interleave`` every configuration's engine is built first and the rounds run
+interleaved (the order rotates each round); ratios are then per round, min / median /
+max.
+
+Usage: ``python benchmarks/bench_lmcache.py [--chunks 8] [--rounds 5] [--interleave] [--json out.json]``.
 """
 
 from __future__ import annotations
@@ -208,75 +212,113 @@ def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> 
     return out
 
 
-def run_config(name: str, env: dict[str, str], args, kv) -> dict:
-    saved = {k: v for k, v in os.environ.items() if k.startswith("LMCACHE_")}
-    for k in saved:
-        del os.environ[k]
-    os.environ.update(env)
-    try:
-        eng = build_cpu_engine(
-            model_name="bench-model",
-            num_layers=args.layers,
-            num_kv_heads=args.heads,
-            head_dim=args.head_dim,
-            dtype=torch.bfloat16,
-        )
-    finally:
-        for k in [k for k in os.environ if k.startswith("LMCACHE_")]:
-            del os.environ[k]
-        os.environ.update(saved)
-    if args.connector == "none":
-        # LMCache's MockGPUConnector copies nothing: what is left is the storage path alone
-        from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+class Runner:
+    """One configuration's engine and its timed rounds (a round stores a fresh prompt,
+    then looks it up and retrieves it; round 0 warms up and checks the bytes)."""
 
-        eng.engine.gpu_connector = MockGPUConnector((args.layers, 2, 256, args.heads, args.head_dim))
-    ntok = args.chunks * 256
-    nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-    out_kv = empty_kv(args.layers, args.heads, ntok, args.head_dim, torch.bfloat16)
-    store_s, load_s, hits = [], [], []
-    try:
-        for r in range(args.rounds + 1):  # round 0 warms up and is not counted
-            tokens = torch.arange(r * 1_000_000, r * 1_000_000 + ntok)
-            t = time.perf_counter()
-            eng.engine.store(tokens, kvcaches=kv)
-            eng.wait_for_writes(120)
-            # LMCache's connectors do not report when a write ends: stored = found by lookup
-            deadline = time.monotonic() + 60
-            while eng.engine.lookup(tokens) < ntok and time.monotonic() < deadline:
-                time.sleep(0.001)
-            st = time.perf_counter() - t
-            t = time.perf_counter()
-            hit = eng.engine.lookup(tokens)
-            got = int(eng.engine.retrieve(tokens, kvcaches=out_kv, req_id=f"r{r}").sum()) if hit else 0
-            lt = time.perf_counter() - t
-            if r == 0 and args.connector == "none":
-                if got != ntok:
-                    raise RuntimeError(f"{name}: retrieve returned {got}/{ntok} tokens")
-                continue
-            if r == 0:
-                if not torch.equal(out_kv[0][0], kv[0][0]) or got != ntok:
-                    raise RuntimeError(f"{name}: retrieve returned {got}/{ntok} tokens or wrong bytes")
-                continue
-            store_s.append(st)
-            load_s.append(lt)
-            hits.append(got)
-    finally:
+    def __init__(self, name: str, env: dict[str, str], args, kv) -> None:
+        self.name, self.args, self.kv = name, args, kv
+        saved = {k: v for k, v in os.environ.items() if k.startswith("LMCACHE_")}
+        for k in saved:
+            del os.environ[k]
+        os.environ.update(env)
+        try:
+            self.eng = build_cpu_engine(
+                model_name="bench-model",
+                num_layers=args.layers,
+                num_kv_heads=args.heads,
+                head_dim=args.head_dim,
+                dtype=torch.bfloat16,
+            )
+        finally:
+            for k in [k for k in os.environ if k.startswith("LMCACHE_")]:
+                del os.environ[k]
+            os.environ.update(saved)
+        if args.connector == "none":
+            # LMCache's MockGPUConnector copies nothing: what is left is the storage path alone
+            from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+
+            self.eng.engine.gpu_connector = MockGPUConnector((args.layers, 2, 256, args.heads, args.head_dim))
+        self.ntok = args.chunks * 256
+        self.nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+        self.out_kv = empty_kv(args.layers, args.heads, self.ntok, args.head_dim, torch.bfloat16)
+        self.store_s: list[float] = []
+        self.load_s: list[float] = []
+        self.hits: list[int] = []
+
+    def round(self, r: int) -> None:
+        eng, ntok = self.eng.engine, self.ntok
+        tokens = torch.arange(r * 1_000_000, r * 1_000_000 + ntok)
+        t = time.perf_counter()
+        eng.store(tokens, kvcaches=self.kv)
+        self.eng.wait_for_writes(120)
+        # LMCache's connectors do not report when a write ends: stored = found by lookup
+        deadline = time.monotonic() + 60
+        while eng.lookup(tokens) < ntok and time.monotonic() < deadline:
+            time.sleep(0.001)
+        st = time.perf_counter() - t
+        t = time.perf_counter()
+        hit = eng.lookup(tokens)
+        got = int(eng.retrieve(tokens, kvcaches=self.out_kv, req_id=f"r{r}").sum()) if hit else 0
+        lt = time.perf_counter() - t
+        if r == 0:
+            if got != ntok or (self.args.connector != "none" and not torch.equal(self.out_kv[0][0], self.kv[0][0])):
+                raise RuntimeError(f"{self.name}: retrieve returned {got}/{ntok} tokens or wrong bytes")
+            return
+        self.store_s.append(st)
+        self.load_s.append(lt)
+        self.hits.append(got)
+
+    def close(self) -> None:
         # LMCache 0.5.6's Redis connector deadlocks in close() (its executor shutdown waits
         # on the event loop it runs on): close in a helper thread and move on after 10 s
-        closer = threading.Thread(target=eng.close, daemon=True)
+        closer = threading.Thread(target=self.eng.close, daemon=True)
         closer.start()
         closer.join(10)
         if closer.is_alive():
-            print(f"  ({name}: engine close() hung; left behind)", flush=True)
-    return {
-        "config": name,
-        "bytes_per_prompt": nbytes,
-        "store_GBps": nbytes / statistics.median(store_s) / 1e9,
-        "retrieve_GBps": nbytes / statistics.median(load_s) / 1e9,
-        "store_s_median": statistics.median(store_s),
-        "retrieve_s_median": statistics.median(load_s),
-        "tokens_hit": hits,
-    }
+            print(f"  ({self.name}: engine close() hung; left behind)", flush=True)
+
+    def result(self) -> dict:
+        return {
+            "config": self.name,
+            "bytes_per_prompt": self.nbytes,
+            "store_GBps": self.nbytes / statistics.median(self.store_s) / 1e9,
+            "retrieve_GBps": self.nbytes / statistics.median(self.load_s) / 1e9,
+            "store_s_median": statistics.median(self.store_s),
+            "retrieve_s_median": statistics.median(self.load_s),
+            "store_s": self.store_s,
+            "retrieve_s": self.load_s,
+            "tokens_hit": self.hits,
+        }
+
+
+def run_config(name: str, env: dict[str, str], args, kv) -> dict:
+    runner = Runner(name, env, args, kv)
+    try:
+        for r in range(args.rounds + 1):  # round 0 warms up and is not counted
+            runner.round(r)
+    finally:
+        runner.close()
+    return runner.result()
+
+
+def run_interleaved(envs: dict[str, dict[str, str]], args, kv) -> list[dict]:
+    """Every configuration's engine at once; each round runs them all, in an order that
+    rotates every round, so drift in the machine's speed falls on all of them alike."""
+    runners = [Runner(name, env, args, kv) for name, env in envs.items()]
+    try:
+        for r in range(args.rounds + 1):
+            k = r % len(runners)
+            for runner in runners[k:] + runners[:k]:
+                runner.round(r)
+    finally:
+        for runner in runners:
+            runner.close()
+    return [runner.result() for runner in runners]
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
 
 
 def main() -> None:
@@ -299,6 +341,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="run only these configurations")
     ap.add_argument("--tmp", default=None, help="directory for the disk tiers (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every configuration's engine first and run their rounds interleaved"
+        " (ratios per round, min / median / max)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -318,19 +366,30 @@ def main() -> None:
         s3_server(args.s3) as s3,
         (s3.credentials_env() if s3 is not None else contextlib.nullcontext()),
     ):
-        for name, env in configs(Path(d), redis_url, s3, args.s3_options).items():
-            if args.only and name not in args.only:
-                continue
-            res = run_config(name, env, args, kv)
-            results.append(res)
+        envs = {
+            name: env
+            for name, env in configs(Path(d), redis_url, s3, args.s3_options).items()
+            if not args.only or name in args.only
+        }
+        if args.interleave:
+            results = run_interleaved(envs, args, kv)
+        else:
+            results = [run_config(name, env, args, kv) for name, env in envs.items()]
+        for res in results:
             print(
-                f"{name:22s} store {res['store_GBps']:6.2f} GB/s   retrieve {res['retrieve_GBps']:6.2f} GB/s"
+                f"{res['config']:22s} store {res['store_GBps']:6.2f} GB/s   retrieve {res['retrieve_GBps']:6.2f} GB/s"
                 f"   ({res['bytes_per_prompt'] / 2**20:.0f} MiB per prompt)",
                 flush=True,
             )
     by_name = {r["config"]: r for r in results}
     base = by_name.get("lmcache-disk")
-    if base:
+    if base and args.interleave:
+        print("\nratios vs lmcache-disk per round (LMCache's time / this one's), min / median / max:")
+        for r in results:
+            st = [b / x for b, x in zip(base["store_s"], r["store_s"])]
+            rt = [b / x for b, x in zip(base["retrieve_s"], r["retrieve_s"])]
+            print(f"{r['config']:22s} store x {spread(st)}   retrieve x {spread(rt)}")
+    elif base:
         print("\nratios vs lmcache-disk (same run):")
         for r in results:
             print(
@@ -343,6 +402,11 @@ def main() -> None:
         print("\nratios vs LMCache's connector of the same kind (same run):")
         for k, lm in peers:
             a, b = by_name[k], by_name[lm]
+            if args.interleave:
+                st = [y / x for x, y in zip(a["store_s"], b["store_s"])]
+                rt = [y / x for x, y in zip(a["retrieve_s"], b["retrieve_s"])]
+                print(f"{k + ' / ' + lm:30s} store x {spread(st)}   retrieve x {spread(rt)}  (per round)")
+                continue
             print(
                 f"{k + ' / ' + lm:30s} store x{a['store_GBps'] / b['store_GBps']:.2f}"
                 f"   retrieve x{a['retrieve_GBps'] / b['retrieve_GBps']:.2f}"
