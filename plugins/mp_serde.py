@@ -106,6 +106,9 @@ SERDE_TYPE = "kvstore_cachegen"
 SLOT_ALIGN = 4096  # slots are whole pages, so LMCache's fs adapter may use O_DIRECT
 FALLBACK_SLOT = SLOT_ALIGN  # the estimate for layouts the codec cannot take: serialize then fails
 HEADER_SLACK = 1024  # room for header fields a later codec version may add to ``meta``
+# ... and for the padding writers add so the payload is 64-byte aligned: the slot size
+# (and so whether objects stored by an earlier kvstore still read) must not change
+assert PAD_MAX < HEADER_SLACK // 4
 OPTIONS = ("codec", "preset", "profile", "threads", "namespace", "slot_ratio", "max_workers")
 
 # Bits per symbol the rANS coder can spend above the symbol's code length log2(M/f).
@@ -251,7 +254,7 @@ class CacheGenFrameSerde(Serializer, Deserializer):
             ctime=time.time(),
             meta={"profile": prof.name},
         )
-        return len(msgpack.packb(worst.to_map(), use_bin_type=True)) + PAD_MAX + HEADER_SLACK
+        return len(msgpack.packb(worst.to_map(), use_bin_type=True)) + HEADER_SLACK
 
     def _payload_bound(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         P, L, T, C = shape
