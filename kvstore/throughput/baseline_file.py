@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from kvstore.options import parse_bool, url_options
+from kvstore.options import option_bool, url_options
 
 
 class Baseline:
@@ -16,7 +16,7 @@ class Baseline:
 
     async def open(self, url: str) -> None:
         opts = url_options(url, {"capacity", "fsync", "concurrency"})
-        self.fsync = parse_bool(opts.get("fsync"), True)
+        self.fsync = option_bool("fsync", opts.get("fsync"), True)
         self.dir = Path(unquote(urlsplit(url).path)) / "bench-baseline"
         self.dir.mkdir(parents=True, exist_ok=True)
 
