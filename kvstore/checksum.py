@@ -309,41 +309,84 @@ other:
 ; n bytes of file %fd from %offset copied into %dst through a read-only shared mapping
 ; (MAP_POPULATE: every page mapped in one call), hashed on the way, with streaming
 ; stores: the page cache is read once and %dst written once.  Only for a warm range:
-; when cachestat(2) counts fewer pages of the range in the page cache than it spans,
-; -61 (ENODATA) and nothing is mapped (a cold read is faster through pread's large
-; requests, and its I/O errors are errors, not faults); cachestat reads no data and
-; leaves the file's readahead state alone.  A kernel without it (before 6.5, or a
-; seccomp filter refusing it) maps at once.  After populating, mincore must find every
-; page (a read that failed while populating leaves one out): else -61 too.  Returns n,
-; or -errno if mapping fails.  %vec holds one byte per page mapped.
-define i64 @kvs_mapped_crc32c(i32 %fd, ptr %dst, i64 %n, i64 %offset, ptr %vec, ptr %crcp) nounwind {
+; cachestat(2) must count every page of the range in the page cache (it reads no data
+; and leaves the file's readahead state alone).  Where the kernel lacks it (ENOSYS,
+; before Linux 6.5) or %no_cachestat is set, an unpopulated mapping is asked with
+; mincore instead (which for a file this process may not write reports only pages it
+; has mapped, i.e. none: such files are then always read with pread).  Any other
+; cachestat failure (EPERM for a file this process may not write) is "cold".  A cold
+; range returns -61 (ENODATA) with nothing mapped: pread's large requests read it
+; faster, and its I/O errors are errors, not faults.  After populating, mincore must
+; find every page (a read that failed while populating leaves one out), else -61 too.
+; Returns n, or -errno if mapping fails.  %vec holds one byte per page mapped.
+; whether mincore's vector says every one of %pages pages is resident
+define internal i1 @all_resident(ptr %vec, i64 %pages) nounwind {
+entry:
+  br label %scan
+scan:
+  %i = phi i64 [0, %entry], [%i.next, %next]
+  %more = icmp ult i64 %i, %pages
+  br i1 %more, label %body, label %yes
+body:
+  %vp = getelementptr i8, ptr %vec, i64 %i
+  %vb = load i8, ptr %vp, align 1
+  %res = and i8 %vb, 1
+  %absent = icmp eq i8 %res, 0
+  br i1 %absent, label %no, label %next
+next:
+  %i.next = add i64 %i, 1
+  br label %scan
+yes:
+  ret i1 true
+no:
+  ret i1 false
+}
+
+define i64 @kvs_mapped_crc32c(i32 %fd, ptr %dst, i64 %n, i64 %offset, ptr %vec, ptr %crcp, i32 %no_cachestat) nounwind {
 entry:
   %crc0 = load i32, ptr %crcp, align 4
+  %base = and i64 %offset, -4096
+  %delta = sub i64 %offset, %base
+  %len = add i64 %n, %delta
+  %pages.a = add i64 %len, 4095
+  %pages = lshr i64 %pages.a, 12
   %range = alloca [2 x i64], align 8
   %stat = alloca [5 x i64], align 8
   store i64 %offset, ptr %range, align 8
   %range.len = getelementptr [2 x i64], ptr %range, i32 0, i32 1
   store i64 %n, ptr %range.len, align 8
+  %skip = icmp ne i32 %no_cachestat, 0
+  br i1 %skip, label %probe, label %ask
+ask:
   %fd64 = sext i32 %fd to i64
   %cs = call i64 (i64, ...) @syscall(i64 451, i64 %fd64, ptr %range, ptr %stat, i64 0)
   %cs.ok = icmp eq i64 %cs, 0
-  br i1 %cs.ok, label %judge, label %map
+  br i1 %cs.ok, label %judge, label %why
+why:
+  %errp0 = call ptr @__errno_location()
+  %err0 = load i32, ptr %errp0, align 4
+  %nosys = icmp eq i32 %err0, 38
+  br i1 %nosys, label %probe, label %cold.ret
 judge:
   %cached = load i64, ptr %stat, align 8
-  %first.page = lshr i64 %offset, 12
-  %end = add i64 %offset, %n
-  %end.b = sub i64 %end, 1
-  %last.page = lshr i64 %end.b, 12
-  %span.m1 = sub i64 %last.page, %first.page
-  %span = add i64 %span.m1, 1
-  %warm = icmp uge i64 %cached, %span
+  %warm = icmp uge i64 %cached, %pages
   br i1 %warm, label %map, label %cold.ret
+probe:
+  %pm = call ptr @mmap(ptr null, i64 %len, i32 1, i32 1, i32 %fd, i64 %base)
+  %pmi = ptrtoint ptr %pm to i64
+  %pmfail = icmp eq i64 %pmi, -1
+  br i1 %pmfail, label %errno, label %probe.check
+probe.check:
+  %prc = call i32 @mincore(ptr %pm, i64 %len, ptr %vec)
+  %pu = call i32 @munmap(ptr %pm, i64 %len)
+  %pok = icmp eq i32 %prc, 0
+  br i1 %pok, label %probe.scan, label %cold.ret
+probe.scan:
+  %pall = call i1 @all_resident(ptr %vec, i64 %pages)
+  br i1 %pall, label %map, label %cold.ret
 cold.ret:
   ret i64 -61
 map:
-  %base = and i64 %offset, -4096
-  %delta = sub i64 %offset, %base
-  %len = add i64 %n, %delta
   %m = call ptr @mmap(ptr null, i64 %len, i32 1, i32 32769, i32 %fd, i64 %base)
   %mi = ptrtoint ptr %m to i64
   %mfail = icmp eq i64 %mi, -1
@@ -351,24 +394,10 @@ map:
 check:
   %rc = call i32 @mincore(ptr %m, i64 %len, ptr %vec)
   %cfail = icmp ne i32 %rc, 0
-  br i1 %cfail, label %unmap.errno, label %scan.start
-scan.start:
-  %pages.a = add i64 %len, 4095
-  %pages = lshr i64 %pages.a, 12
-  br label %scan
+  br i1 %cfail, label %unmap.errno, label %scan
 scan:
-  %i = phi i64 [0, %scan.start], [%i.next, %scan.next]
-  %more = icmp ult i64 %i, %pages
-  br i1 %more, label %scan.body, label %copy
-scan.body:
-  %vp = getelementptr i8, ptr %vec, i64 %i
-  %vb = load i8, ptr %vp, align 1
-  %res = and i8 %vb, 1
-  %absent = icmp eq i8 %res, 0
-  br i1 %absent, label %unmap.absent, label %scan.next
-scan.next:
-  %i.next = add i64 %i, 1
-  br label %scan
+  %all = call i1 @all_resident(ptr %vec, i64 %pages)
+  br i1 %all, label %copy, label %unmap.absent
 copy:
   %src = getelementptr i8, ptr %m, i64 %delta
   %crc1 = call i32 @copy_crc32c_nt(i32 %crc0, ptr %dst, ptr %src, i64 %n)
@@ -463,7 +492,7 @@ class _Kernels:
         self.pread = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, i64, ctypes.POINTER(u32))(
             addr("kvs_pread_crc32c")
         )
-        self.mapped = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, ptr, ctypes.POINTER(u32))(
+        self.mapped = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, ptr, ctypes.POINTER(u32), i32)(
             addr("kvs_mapped_crc32c")
         )
 
@@ -540,14 +569,18 @@ def mapped_crc32c(fd: int, dst: Buffer, offset: int, value: int = 0) -> tuple[in
     read-for-ownership of `dst`): (bytes copied, CRC32C continued from `value`).
 
     None when this path does not serve: no kernels on this CPU, the file system refuses
-    the mapping, or the range is not all in the page cache (asked of ``cachestat(2)``
-    before mapping; a cold read is faster through pread's large requests, and its I/O
-    errors are errors, not faults).  Read with `pread_crc32c` then, which reports I/O
-    errors as `OSError`.  The caller
-    guarantees ``offset + len(dst)`` is within the file and that nobody truncates the file
-    while it is read (a page past a shrunk end of file faults with SIGBUS); the disk tier
-    never changes a published file in place.  Measured: about 1.3x the speed of an
-    unverified ``readinto`` of the same page-cache-warm bytes (docs/benchmarks/lmcache.md).
+    the mapping, or the range is not known to be all in the page cache.  That is asked
+    of ``cachestat(2)`` before mapping (it reads nothing and leaves readahead alone); a
+    kernel without it (before 6.5) is asked with ``mincore`` on an unpopulated mapping;
+    a file this process may not write is never mapped (both calls then cannot tell).  A
+    cold read is faster through pread's large requests, and its I/O errors are errors,
+    not faults: read with `pread_crc32c` then, which reports them as `OSError`.  The
+    caller guarantees ``offset + len(dst)`` is within the file and that nobody truncates
+    the file while it is read (a page past a shrunk end of file faults with SIGBUS); the
+    disk tier never changes a published file in place.  Measured: about 1.3x the speed
+    of an unverified ``readinto`` of the same page-cache-warm bytes
+    (docs/benchmarks/lmcache.md).  ``_state["no_cachestat"] = 1`` makes it take the
+    older kernels' path (for tests).
     """
     kernels = _kernels()
     d = _bytes_view(dst)
@@ -558,7 +591,11 @@ def mapped_crc32c(fd: int, dst: Buffer, offset: int, value: int = 0) -> tuple[in
     if vec is None or len(vec) < pages:
         vec = _page_vectors.vec = bytearray(max(pages, 4096))
     crc = ctypes.c_uint32(value)
-    got = int(kernels.mapped(fd, _address(d), d.nbytes, offset, _address(vec), ctypes.byref(crc)))
+    got = int(
+        kernels.mapped(
+            fd, _address(d), d.nbytes, offset, _address(vec), ctypes.byref(crc), int(_state.get("no_cachestat", 0))
+        )
+    )
     if got < 0:
         return None
     return got, int(crc.value)

@@ -199,10 +199,10 @@ def _packed_header(header: FrameHeader) -> bytes:
     m["pad"] = b""  # packed as bin8: up to 255 more bytes add exactly their own length
     hbytes = msgpack.packb(m, use_bin_type=True)
     short = -(PREFIX_LEN + len(hbytes)) % PAYLOAD_ALIGN
-    if short:
+    if short and len(hbytes) + short <= MAX_HEADER_LEN:  # a header at the limit stays unpadded
         m["pad"] = bytes(short)
         hbytes = msgpack.packb(m, use_bin_type=True)
-    assert (PREFIX_LEN + len(hbytes)) % PAYLOAD_ALIGN == 0
+        assert (PREFIX_LEN + len(hbytes)) % PAYLOAD_ALIGN == 0
     return hbytes
 
 

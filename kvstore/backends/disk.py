@@ -241,14 +241,15 @@ def _stream_one(path: Path, sink: StreamSink, max_size: int, mapped: bool) -> tu
 
 def _stream_group(
     items: Sequence[tuple[Path, StreamSink]], max_size: int, mapped: bool
-) -> list[tuple[int, int, object] | OSError | _Defective]:
-    """`_stream_one` for each object in turn, in one worker job; a missing, defective or
-    unreadable object is its exception in the result, and the others are still read."""
-    out: list[tuple[int, int, object] | OSError | _Defective] = []
+) -> list[tuple[int, int, object] | Exception]:
+    """`_stream_one` for each object in turn, in one worker job; an object that could not
+    be read (missing, defective, an I/O error, or a fault in its sink) is its exception
+    in the result, and the others are still read."""
+    out: list[tuple[int, int, object] | Exception] = []
     for path, sink in items:
         try:
             out.append(_stream_one(path, sink, max_size, mapped))
-        except (OSError, _Defective) as exc:
+        except Exception as exc:
             out.append(exc)
     return out
 
@@ -704,21 +705,25 @@ class DiskBackend(Backend):
             results = await asyncio.gather(
                 *(self._run_group([(self.path_of(names[k]), sinks[k]) for k in g]) for g in groups)
             )
+            fault: Exception | None = None
             for g, res in zip(groups, results):
                 for k, r in zip(g, res):
                     if isinstance(r, tuple):
                         size, got, out[k] = r
                         self._read_done(names[k], size, got)
-                    else:
+                    elif isinstance(r, (OSError, _Defective)):
                         await self._read_failed(names[k], r)
+                    else:  # a fault in the reader's sink, not in the object: raised once all are done
+                        self.counters.misses += 1
+                        fault = fault or r
         finally:
             for k in todo:
                 self._unreading(names[k])
+        if fault is not None:
+            raise fault
         return out
 
-    async def _run_group(
-        self, items: list[tuple[Path, StreamSink]]
-    ) -> list[tuple[int, int, object] | OSError | _Defective]:
+    async def _run_group(self, items: list[tuple[Path, StreamSink]]) -> list[tuple[int, int, object] | Exception]:
         async with self._sem:
             return await asyncio.get_running_loop().run_in_executor(
                 None, _stream_group, items, self.max_object_bytes, self.mmap

@@ -124,9 +124,22 @@ async def test_a_keyless_or_misplaced_frame_is_a_miss_on_the_streamed_path(tmp_p
 
 
 @pytest.mark.parametrize("mmap", ["true", "false"])
-async def test_mapped_and_pread_reads_hand_back_the_same_bytes(tmp_path: Path, mmap: str) -> None:
+async def test_mapped_and_pread_reads_hand_back_the_same_bytes(
+    tmp_path: Path, mmap: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The disk tier copies payloads through a mapping of the file by default and with
     pread under ``mmap=false``: the same bytes, the same checks (a flipped bit is a miss)."""
+    import kvstore.frame_sink
+    from kvstore import checksum
+
+    mapped: list[bool] = []
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        got = checksum.mapped_crc32c(*args, **kwargs)
+        mapped.append(got is not None)
+        return got
+
+    monkeypatch.setattr(kvstore.frame_sink, "mapped_crc32c", spy)
     st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false&mmap={mmap}"])
     backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
     assert backend.mmap is (mmap == "true")
@@ -135,6 +148,10 @@ async def test_mapped_and_pread_reads_hand_back_the_same_bytes(tmp_path: Path, m
     outs = [torch.empty_like(t) for t in chunks.values()]
     got = await st.get_many(list(chunks), out=outs)
     assert all(g is o and torch.equal(o, t) for g, o, t in zip(got, outs, chunks.values()))
+    if mmap == "false":
+        assert mapped == [], "mmap=false never maps"
+    elif checksum.fast():
+        assert mapped == [True] * len(chunks), "warm objects are copied through the mapping"
     path = backend.path_of("ns/m/f-1-0/3")
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -149,3 +166,34 @@ async def test_mapped_and_pread_reads_hand_back_the_same_bytes(tmp_path: Path, m
 def test_the_mmap_option_must_be_a_boolean(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="mmap"):
         DiskBackend.from_url(f"file://{tmp_path}?mmap=perhaps")
+
+
+async def test_a_fault_in_one_sink_spoils_no_other_read_of_the_batch(tmp_path: Path) -> None:
+    """Reads are grouped into worker jobs; a reader's sink that raises for one object
+    does not stop the others in its job: they are read and counted, then the fault is
+    raised, and no name is left marked as being read."""
+    be = DiskBackend(tmp_path / "d", fsync=False, concurrency=1)  # one job: every read shares it
+    names = [f"ns/m/f-1-0/{i}" for i in range(4)]
+    tensors = [torch.full((4096,), float(i)) for i in range(4)]
+    from kvstore import codec
+
+    raw = codec.get("raw")
+    await be.put_many([(n, raw.frame_parts(t, key=n, layout="raw")) for n, t in zip(names, tensors)])
+    outs = [torch.empty(4096) for _ in names]
+
+    def sink(name: str) -> FrameSink:
+        k = names.index(name)
+
+        def place(header):  # type: ignore[no-untyped-def]
+            if k == 1:
+                raise RuntimeError("reader bug")
+            return outs[k].view(torch.uint8).numpy().data
+
+        return FrameSink(name, place)
+
+    with pytest.raises(RuntimeError, match="reader bug"):
+        await be.read_streamed(names, sink)
+    assert [torch.equal(outs[k], tensors[k]) for k in (0, 2, 3)] == [True, True, True]
+    assert be.counters.hits == 3 and be.counters.misses == 1
+    assert be._reading == {}
+    await be.close()
