@@ -9,7 +9,9 @@ each pass the two sides take turns batch by batch (`concurrency` operations in f
 who goes first swapped every batch), each operation reading into its own reused
 buffer; medians (and the median of the per-round ratios) are reported, so slow drift of the machine hits both
 sides alike.  With ``through="tier"`` (the default) kvstore's side is the full stack:
-raw codec, frame with checksum, backend, and on get the frame's checksum is verified;
+raw codec, frame with checksum, backend, and on get the payload lands in a reused
+tensor of the chunk's shape, its key and checksum verified (the read a store makes for
+LMCache: streamed, or for warm disk objects copied from a mapping of the file);
 ``through="backend"`` times the backend alone moving the same framed bytes.  For ``file://``,
 ``cache="cold"`` drops the written files from the page cache before every get pass
 (both sides), so reads come from the device; ``"warm"`` reads from the page cache.
@@ -131,6 +133,7 @@ async def run_bench(
     await baseline.open(url)
     frame_size = len(b"".join(tier.codec.frame_parts(tensors[0], key=names[0])[:1])) + size
     buffers = [memoryview(bytearray(frame_size + 4096)) for _ in range(concurrency)]
+    targets = [torch.empty(shape, dtype=torch.bfloat16) for _ in range(concurrency)]
     tick = (lambda: progress(size)) if progress else (lambda: None)
     cold = cache == "cold" and urlsplit(url).scheme == "file"
 
@@ -150,7 +153,7 @@ async def run_bench(
         alloc = lambda n, w=w: buffers[w]  # noqa: E731
         got: object
         if through == "tier":
-            (got,) = await tier.get_many([names[i]], alloc=alloc)
+            (got,) = await tier.get_many([names[i]], out=[targets[w]])
         else:
             got = await tier.backend.get(names[i], alloc=alloc)
         if got is None:
