@@ -262,14 +262,11 @@ fold:
   %stream = and i1 %aligned, %large
   br i1 %stream, label %nt, label %cached
 nt:
-  %c.nt = call i32 @bulk_copy_nt(i32 %crc, ptr %dst, ptr %src, i64 %bulk.n)
+  %c.nt = call i32 @copy_streamed(i32 %crc, ptr %dst, ptr %src, i64 %n)
   call void @llvm.x86.sse.sfence()
-  br label %rest
+  ret i32 %c.nt
 cached:
-  %c.c = call i32 @bulk_copy(i32 %crc, ptr %dst, ptr %src, i64 %bulk.n)
-  br label %rest
-rest:
-  %c1 = phi i32 [%c.nt, %nt], [%c.c, %cached]
+  %c1 = call i32 @bulk_copy(i32 %crc, ptr %dst, ptr %src, i64 %bulk.n)
   %rest.d = getelementptr i8, ptr %dst, i64 %bulk.n
   %rest.s = getelementptr i8, ptr %src, i64 %bulk.n
   %rest.n = sub i64 %n, %bulk.n
@@ -280,6 +277,20 @@ short:
   call void @llvm.memcpy.p0.p0.i64(ptr %dst, ptr %src, i64 %n, i1 false)
   %c3 = call i32 @tail(i32 %crc, ptr %dst, i64 %n)
   ret i32 %c3
+}
+
+; copy and hash n >= MIN_BULK bytes into a 64-byte aligned %dst with streaming stores
+; (the bulk, then the last n % 64 bytes); the caller issues the sfence
+define internal i32 @copy_streamed(i32 %crc, ptr %dst, ptr %src, i64 %n) nounwind {
+entry:
+  %bulk.n = and i64 %n, -64
+  %c1 = call i32 @bulk_copy_nt(i32 %crc, ptr %dst, ptr %src, i64 %bulk.n)
+  %rest.d = getelementptr i8, ptr %dst, i64 %bulk.n
+  %rest.s = getelementptr i8, ptr %src, i64 %bulk.n
+  %rest.n = sub i64 %n, %bulk.n
+  call void @llvm.memcpy.p0.p0.i64(ptr %rest.d, ptr %rest.s, i64 %rest.n, i1 false)
+  %c2 = call i32 @tail(i32 %c1, ptr %rest.d, i64 %rest.n)
+  ret i32 %c2
 }
 
 ; as kvs_copy_crc32c, streaming whenever the destination is 64-byte aligned (any size);
@@ -293,32 +304,13 @@ entry:
   %stream = and i1 %aligned, %big
   br i1 %stream, label %nt, label %other
 nt:
-  %bulk.n = and i64 %n, -64
-  %c.nt = call i32 @bulk_copy_nt(i32 %crc, ptr %dst, ptr %src, i64 %bulk.n)
-  %rest.d = getelementptr i8, ptr %dst, i64 %bulk.n
-  %rest.s = getelementptr i8, ptr %src, i64 %bulk.n
-  %rest.n = sub i64 %n, %bulk.n
-  call void @llvm.memcpy.p0.p0.i64(ptr %rest.d, ptr %rest.s, i64 %rest.n, i1 false)
-  %c2 = call i32 @tail(i32 %c.nt, ptr %rest.d, i64 %rest.n)
-  ret i32 %c2
+  %c.nt = call i32 @copy_streamed(i32 %crc, ptr %dst, ptr %src, i64 %n)
+  ret i32 %c.nt
 other:
   %c3 = call i32 @kvs_copy_crc32c(i32 %crc, ptr %dst, ptr %src, i64 %n)
   ret i32 %c3
 }
 
-; n bytes of file %fd from %offset copied into %dst through a read-only shared mapping
-; (MAP_POPULATE: every page mapped in one call), hashed on the way, with streaming
-; stores: the page cache is read once and %dst written once.  Only for a warm range:
-; cachestat(2) must count every page of the range in the page cache (it reads no data
-; and leaves the file's readahead state alone).  Where the kernel lacks it (ENOSYS,
-; before Linux 6.5) or %no_cachestat is set, an unpopulated mapping is asked with
-; mincore instead (which for a file this process may not write reports only pages it
-; has mapped, i.e. none: such files are then always read with pread).  Any other
-; cachestat failure (EPERM for a file this process may not write) is "cold".  A cold
-; range returns -61 (ENODATA) with nothing mapped: pread's large requests read it
-; faster, and its I/O errors are errors, not faults.  After populating, mincore must
-; find every page (a read that failed while populating leaves one out), else -61 too.
-; Returns n, or -errno if mapping fails.  %vec holds one byte per page mapped.
 ; whether mincore's vector says every one of %pages pages is resident
 define internal i1 @all_resident(ptr %vec, i64 %pages) nounwind {
 entry:
@@ -342,6 +334,19 @@ no:
   ret i1 false
 }
 
+; n bytes of file %fd from %offset copied into %dst through a read-only shared mapping
+; (MAP_POPULATE: every page mapped in one call), hashed on the way, with streaming
+; stores: the page cache is read once and %dst written once.  Only for a warm range:
+; cachestat(2) must count every page of the range in the page cache (it reads no data
+; and leaves the file's readahead state alone).  Where the kernel lacks it (ENOSYS,
+; before Linux 6.5) or %no_cachestat is set, an unpopulated mapping is asked with
+; mincore instead (which for a file this process may not write reports only pages it
+; has mapped, i.e. none: such files are then always read with pread).  Any other
+; cachestat failure (EPERM for a file this process may not write) is "cold".  A cold
+; range returns -61 (ENODATA) with nothing mapped: pread's large requests read it
+; faster, and its I/O errors are errors, not faults.  After populating, mincore must
+; find every page (a read that failed while populating leaves one out), else -61 too.
+; Returns n, or -errno if mapping fails.  %vec holds one byte per page mapped.
 define i64 @kvs_mapped_crc32c(i32 %fd, ptr %dst, i64 %n, i64 %offset, ptr %vec, ptr %crcp, i32 %no_cachestat) nounwind {
 entry:
   %crc0 = load i32, ptr %crcp, align 4

@@ -34,8 +34,8 @@ Layout::
   reader pick where the rest lands, and copies the payload there through a read-only
   mapping of the file, checksummed in the same pass (`kvstore.checksum.mapped_crc32c`;
   ~1.3x an unverified ``readinto`` of warm pages), or with ``pread`` block by block
-  where mapping cannot serve (``mmap=false``, no AVX-512 kernels, a page that could not
-  be read in).  A mapping is safe because a published file is never changed in place
+  where mapping does not serve (``mmap=false``, no AVX-512 kernels, an object not all in
+  the page cache, a file this process may not write).  A mapping is safe because a published file is never changed in place
   (writes rename a new file over it, deletes unlink it): a process that truncates a
   file under the root while it is read would make the reader fault; set ``mmap=false``
   where something other than kvstore rewrites these files, or on a network file system
@@ -698,7 +698,7 @@ class DiskBackend(Backend):
             return out
         await self._open()
         for k in todo:
-            self._reading[names[k]] = self._reading.get(names[k], 0) + 1
+            self._start_reading(names[k])
         try:
             jobs = min(len(todo), self.concurrency, _CPUS)
             groups = [todo[j::jobs] for j in range(jobs)]
@@ -739,6 +739,10 @@ class DiskBackend(Backend):
             return False
         return True
 
+    def _start_reading(self, name: str) -> None:
+        """Mark `name` as being read (the index never evicts it meanwhile)."""
+        self._reading[name] = self._reading.get(name, 0) + 1
+
     def _unreading(self, name: str) -> None:
         left = self._reading[name] - 1
         if left:
@@ -777,7 +781,7 @@ class DiskBackend(Backend):
         if not self._may_read(name):
             return None
         await self._open()
-        self._reading[name] = self._reading.get(name, 0) + 1
+        self._start_reading(name)
         try:
             async with self._sem:
                 size, got, result = await read()
