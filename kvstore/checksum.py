@@ -631,6 +631,47 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     return int(kernels.crc(value, _address(mv), mv.nbytes))
 
 
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32C of ``A + B`` from ``crc1 = crc32c(A)``, ``crc2 = crc32c(B)`` and ``len(B)``:
+    pieces of one payload hashed apart (e.g. ranges read in parallel) joined in order.
+    ``crc1`` is shifted past `len2` zero bytes (multiplied by x^(8·len2) mod P, bit-
+    reflected, one table entry per set bit of 8·len2), then XORed with ``crc2``."""
+    if len2 < 0:
+        raise ValueError(f"crc32c_combine: negative length {len2}")
+    n, k, shift = len2 * 8, 0, _ONE
+    while n:
+        if n & 1:
+            shift = _mulmod(_X_POW2[k], shift)
+        n >>= 1
+        k += 1
+    return _mulmod(shift, crc1 & _MASK) ^ (crc2 & _MASK)
+
+
+_P_REFLECTED = 0x82F63B78  # P without its x^32 term, bit-reflected
+_ONE = 1 << 31  # the polynomial 1, bit-reflected
+
+
+def _mulmod(a: int, b: int) -> int:
+    """a·b mod P for bit-reflected 32-bit polynomials."""
+    out = 0
+    for bit in range(31, -1, -1):
+        if (a >> bit) & 1:
+            out ^= b
+        b = (b >> 1) ^ _P_REFLECTED if b & 1 else b >> 1
+    return out
+
+
+def _x_pow2_table(count: int) -> list[int]:
+    """x^(2^k) mod P, bit-reflected, for k < count."""
+    table = [1 << 30]  # x
+    for _ in range(count - 1):
+        table.append(_mulmod(table[-1], table[-1]))
+    return table
+
+
+_X_POW2 = _x_pow2_table(67)  # 8·len2 < 2^67 for any length a process can hold
+
+
 def copy_crc32c(dst: Buffer, src: Buffer, value: int = 0) -> int:
     """Copy `src` into `dst` (same length, writable) and return the CRC32C of the bytes
     copied, continuing from `value`; one pass over the bytes where the CPU allows."""
@@ -673,6 +714,7 @@ __all__ = [
     "PREAD_BLOCK",
     "copy_crc32c",
     "crc32c",
+    "crc32c_combine",
     "fast",
     "mapped_crc32c",
     "pread_crc32c",

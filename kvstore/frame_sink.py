@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvstore.checksum import copy_crc32c, crc32c, mapped_crc32c, pread_crc32c
+from kvstore.checksum import copy_crc32c, crc32c, crc32c_combine, mapped_crc32c, pread_crc32c
 from kvstore.frame import (
     CHECKSUM_ALGO,
     MAX_HEADER_LEN,
@@ -83,6 +83,16 @@ class FrameSink:
     def feed_from(self, block: memoryview, src: memoryview) -> None:
         self._csum = copy_crc32c(block, src, self._csum)  # one pass: copied and hashed
         self._got += len(block)
+
+    def hash(self, block: memoryview, value: int = 0) -> int:
+        """The payload hash of `block` continued from `value` (touches no state: safe on
+        any thread, for a range read apart from the others)."""
+        return crc32c(block, value)
+
+    def feed_hashed(self, nbytes: int, value: int) -> None:
+        """`nbytes` more payload bytes, already in place, whose `hash` from 0 is `value`."""
+        self._csum = crc32c_combine(self._csum, value, nbytes)
+        self._got += nbytes
 
     def feed_pread(self, fd: int, block: memoryview, offset: int, *, mapped: bool = False) -> int:
         done = mapped_crc32c(fd, block, offset, self._csum) if mapped else None

@@ -137,7 +137,7 @@ class BackendStats:
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """Optional abilities a backend declares (class attribute `Backend.capabilities`).
+    """Optional abilities a backend declares (`Backend.capabilities`, set on the class).
 
     streamed_reads: implements ``read_streamed(names, open_sink)``: an object's bytes land
         where its sink says, block by block (`kvstore.backends.stream`).
@@ -169,7 +169,8 @@ class Backend(abc.ABC):
     """An async, batched object store of bytes.  See the module docstring."""
 
     schemes: ClassVar[tuple[str, ...]] = ()
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: declared by the class; an instance may narrow it from its options (S3's ``stream=false``)
+    capabilities: Capabilities = Capabilities()
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -147,6 +147,12 @@ class _WholeValue:
     def feed_from(self, block: memoryview, src: memoryview) -> None:
         block[:] = src
 
+    def hash(self, block: memoryview, value: int = 0) -> int:
+        return 0
+
+    def feed_hashed(self, nbytes: int, value: int) -> None:
+        return None
+
     def feed_pread(self, fd: int, block: memoryview, offset: int, *, mapped: bool = False) -> int:
         raise NotImplementedError("a Redis value is not read from a file")
 

@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from functools import partial
 from typing import Any, TypeVar, cast
@@ -60,6 +63,8 @@ from kvstore.backends.base import (
 from kvstore.backends.breaker import CircuitBreaker
 from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_parts
 from kvstore.backends.s3_options import S3Options
+from kvstore.backends.s3_stream import Opened, S3Streams, Settled
+from kvstore.backends.stream import StreamSink
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.redact import redact_text
 
@@ -115,7 +120,7 @@ def error_kind(exc: BaseException) -> str:
         return "no_credentials"
     if isinstance(exc, ShortBody):
         return "short_body"
-    if isinstance(exc, (OSError, aiohttp.ClientError, BotoCoreError)):
+    if isinstance(exc, (OSError, aiohttp.ClientError, BotoCoreError, http.client.HTTPException)):
         return "connection"  # refused, reset, DNS, read timeouts, broken streams
     return "other"
 
@@ -155,12 +160,14 @@ class S3Backend(Backend):
     """Objects under ``prefix/`` in one bucket; see the module docstring."""
 
     schemes = ("s3",)
-    capabilities = Capabilities(ranged_reads=True)
+    capabilities = Capabilities(ranged_reads=True, streamed_reads=True)
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
         super().__init__(url)
         self.options = options or S3Options.from_url(url)
         o = self.options
+        if not o.stream or _proxied(o):  # streamed GETs speak HTTP themselves: no proxies
+            self.capabilities = Capabilities(ranged_reads=True)
         self.max_object_bytes = o.max_object_size
         self.breaker = CircuitBreaker(
             failure_threshold=o.breaker_failures,
@@ -177,6 +184,9 @@ class S3Backend(Backend):
         self._verified = False
         self._closed = False
         self._cleanups: set[asyncio.Task[None]] = set()  # multipart aborts still running
+        self._streams: S3Streams | None = None  # streamed GETs (`read_streamed`)
+        self._threads: ThreadPoolExecutor | None = None
+        self._ca_bundle: str | None = None
 
     @classmethod
     def from_url(cls, url: str) -> S3Backend:
@@ -201,6 +211,7 @@ class S3Backend(Backend):
                 session = get_session()
                 if o.profile:
                     session.set_config_variable("profile", o.profile)
+                self._ca_bundle = session.get_config_variable("ca_bundle")
                 stack = contextlib.AsyncExitStack()
                 self._client = await stack.enter_async_context(
                     session.create_client(
@@ -281,6 +292,10 @@ class S3Backend(Backend):
         stack, self._stack, self._client = self._stack, None, None
         if stack is not None and self._loop is asyncio.get_running_loop():
             await stack.aclose()
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
+        if self._streams is not None:
+            self._streams.close()
 
     # -- guarded operations ----------------------------------------------------------
 
@@ -572,8 +587,14 @@ class S3Backend(Backend):
                 self.counters.get_bytes += res.nbytes
         return out
 
+    def _first_bytes(self, head: int = 0) -> int:
+        """Bytes the first GET of an object asks for: all of an object up to
+        ``range_threshold``; a larger one's rest comes in ``range_size`` ranges."""
+        o = self.options
+        return max(o.range_threshold, o.range_size, head)
+
     async def _get_one(self, key: str, alloc: Alloc) -> memoryview | None:
-        """GET the first `range_size` bytes; the rest in parallel ranges into the same buffer."""
+        """GET the first `_first_bytes`; the rest in parallel ranges into the same buffer."""
         o, client = self.options, self._client
         assert self._sem is not None
         tasks: list[asyncio.Task] = []
@@ -581,7 +602,7 @@ class S3Backend(Backend):
             async with self._sem:
                 try:
                     resp = await client.get_object(
-                        Bucket=o.bucket, Key=key, Range=f"bytes=0-{o.range_size - 1}"
+                        Bucket=o.bucket, Key=key, Range=f"bytes=0-{self._first_bytes() - 1}"
                     )
                 except Exception as exc:
                     if error_code(exc)[1] != 416:  # 416: empty object, a range cannot start at 0
@@ -622,6 +643,109 @@ class S3Backend(Backend):
                 resp["Body"].close()
                 raise ShortBody(f"range of {into.nbytes} bytes answered with {resp['ContentLength']}")
             await read_into(resp["Body"], into)
+
+    # -- streamed get --------------------------------------------------------------------
+
+    async def read_streamed(
+        self, names: Sequence[str], open_sink: Callable[[str], StreamSink]
+    ) -> list[object | None]:
+        """Each object straight into the buffer its sink names (`kvstore.backends.stream`):
+        a presigned GET per object on a worker thread, the body read from the socket into
+        the sink's buffer block by block; an object past ``range_threshold`` reads its
+        other ranges in parallel on other workers.  Counted as `get_many` counts."""
+        sinks = [open_sink(n) for n in names]
+        out: list[object | None] = [None] * len(names)
+        self.counters.gets += len(names)
+        jobs: list[tuple[int, str]] = []
+        for i, name in enumerate(names):
+            try:
+                jobs.append((i, self.options.key(check_object_name(name))))
+            except InvalidKeyError:
+                self.counters.get_errors += 1
+                self.counters.misses += 1
+        if jobs and not await self._ready():
+            self.counters.get_errors += len(jobs)
+            self.counters.misses += len(jobs)
+            return out
+        results = await asyncio.gather(*(self._stream_one(k, sinks[i]) for i, k in jobs))
+        for (i, _), (res, nbytes) in zip(jobs, results):
+            if res is _FAILED:
+                self.counters.get_errors += 1
+                self.counters.misses += 1
+            elif res is None:
+                self.counters.misses += 1
+            else:
+                out[i] = res
+                self.counters.hits += 1
+                self.counters.get_bytes += nbytes
+        return out
+
+    def _stream_pool(self) -> tuple[S3Streams, ThreadPoolExecutor]:
+        o = self.options
+        if self._streams is None:
+            self._streams = S3Streams(
+                size=o.concurrency,
+                connect_timeout=o.connect_timeout,
+                read_timeout=o.read_timeout,
+                max_attempts=o.max_attempts,
+                ca_bundle=self._ca_bundle,
+            )
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(o.concurrency, thread_name_prefix="kvstore-s3")
+        return self._streams, self._threads
+
+    async def _stream_one(self, key: str, sink: StreamSink) -> tuple[object, int]:
+        """(the sink's verdict | None for a miss | `_FAILED`, payload bytes read).  Every
+        worker job of the object has ended before this returns, cancelled or not: they
+        write into the caller's buffer."""
+        if not self.breaker.allow():
+            self.errors["breaker_open"] += 1
+            return _FAILED, 0
+        o = self.options
+        streams, threads = self._stream_pool()
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + o.timeout
+        ok = False
+        assert self._sem is not None  # set by _ready()
+        try:
+            async with self._sem:
+                url = await self._client.generate_presigned_url(
+                    "get_object", Params={"Bucket": o.bucket, "Key": key}, ExpiresIn=int(o.timeout) + 60
+                )
+                first = self._first_bytes(sink.head)
+                begun = await _settled([loop.run_in_executor(threads, streams.begin, url, sink, first, deadline)])
+                opened = _value(begun[0])
+                if isinstance(opened, Settled):
+                    ok = True
+                    return (None if opened.missing else opened.verdict), 0
+                assert isinstance(opened, Opened)
+                spans = [(lo, min(opened.total, lo + o.range_size)) for lo in range(opened.length, opened.total, o.range_size)]
+                parts: list[asyncio.Future[Any]] = [
+                    loop.run_in_executor(threads, streams.finish_first, opened, sink, deadline)
+                ]
+                for lo, hi in spans:
+                    into = opened.dst[lo - opened.offset : hi - opened.offset]
+                    parts.append(loop.run_in_executor(threads, streams.read_range, url, opened.etag, into, lo, sink, deadline))
+                done = await _settled(parts)
+                for part in done:
+                    _value(part)
+                for (lo, hi), value in zip(spans, done[1:]):
+                    sink.feed_hashed(hi - lo, cast(int, value))
+                ok = True
+                return sink.finish(), len(opened.dst)
+        except Exception as exc:
+            kind = error_kind(exc)
+            if kind == "not_found":  # deleted between the first GET and a range
+                ok = True
+                return None, 0
+            self.errors[kind] += 1
+            if kind == "other":
+                log.warning("S3 streamed read failed unexpectedly", exc_info=exc)
+            else:
+                log.debug("S3 streamed read failed (%s): %r", kind, exc)
+            return _FAILED, 0
+        finally:
+            self.breaker.record(ok)
 
     # -- contains ------------------------------------------------------------------------
 
@@ -755,6 +879,32 @@ class S3Backend(Backend):
                 "retry_mode": o.retry_mode,
             },
         )
+
+
+async def _settled(futures: list[asyncio.Future[Any]]) -> list[Any]:
+    """Each worker job's result or exception, once all have ended; a cancelled caller
+    still waits for them (they write into the caller's buffer), then is cancelled."""
+    together = asyncio.gather(*futures, return_exceptions=True)
+    try:
+        return await asyncio.shield(together)
+    except asyncio.CancelledError:
+        await asyncio.wait({together})
+        raise
+
+
+def _value(result: Any) -> Any:
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _proxied(o: S3Options) -> bool:
+    """Whether the environment sends requests to this endpoint through a proxy."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(o.endpoint_url or "https://s3.amazonaws.com")
+    proxies = urllib.request.getproxies()
+    return bool(proxies.get(u.scheme)) and not urllib.request.proxy_bypass(u.hostname or "")
 
 
 def _server_time(response: dict[str, Any]) -> float:

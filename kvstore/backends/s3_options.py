@@ -19,7 +19,10 @@ concurrency                    16               requests in flight; also the poo
 multipart_threshold            16MiB            objects larger than this upload in parts
 part_size                      8MiB             multipart part size (S3 minimum 5MiB)
 range_threshold                16MiB            objects larger than this download in ranges
-range_size                     8MiB             size of one ranged GET
+range_size                     8MiB             size of one ranged GET (past range_threshold)
+stream                         true             reads into the caller's tensors land straight
+                                                from the socket on worker threads (presigned
+                                                GETs); false: through aiobotocore's body
 checksum                       when_required    botocore request_checksum_calculation and
                                                 response_checksum_validation: when_required
                                                 (frames carry their own CRC32C checksum) or
@@ -44,7 +47,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from kvstore.backends.base import DEFAULT_MAX_OBJECT
-from kvstore.options import parse_size, url_options
+from kvstore.options import option_bool, parse_size, url_options
 from kvstore.redact import redact_url
 
 _CHECKSUM = ("when_required", "when_supported")
@@ -78,6 +81,7 @@ class S3Options:
     contains: str = "auto"
     contains_list_min: int = 128
     max_object_size: int = DEFAULT_MAX_OBJECT
+    stream: bool = True
 
     @classmethod
     def from_url(cls, url: str) -> S3Options:
@@ -131,6 +135,8 @@ class S3Options:
         for name in ("timeout", "connect_timeout", "read_timeout", "breaker_reset"):
             if name in opts:
                 kw[name] = positive(name, float)
+        if "stream" in opts:
+            kw["stream"] = option_bool("stream", opts["stream"], True)
         options = cls(bucket=bucket, prefix=prefix, **kw)
         if options.part_size < MIN_PART:
             raise ValueError(f"part_size must be at least 5MiB (the S3 minimum), got {options.part_size}")

@@ -11,6 +11,9 @@ in one blocking step off the event loop: open the object, read its first
 object offset it starts at; None: stop here), read that range into the buffer block by
 block (socket reads, for Redis) handing each block to ``sink.feed`` right after it lands
 (still in cache), and return ``sink.finish()``.  A missing object or an I/O error is None.
+A backend that reads ranges of one object in parallel (S3) feeds the first range in
+order and hashes each further range on its own thread with ``sink.hash``, then hands
+the results over in order with ``sink.feed_hashed``.
 A backend reading a local file hands the sink the open descriptor instead
 (``sink.feed_pread``), so the read-and-hash loop can run without returning to Python.
 An object already in memory goes through `stream_from_buffer`, which hands the sink
@@ -33,6 +36,16 @@ class StreamSink(Protocol):
 
     def feed_from(self, block: memoryview, src: memoryview) -> None:
         """Copy `src` into `block` (same length), then as `feed(block)`."""
+        ...
+
+    def hash(self, block: memoryview, value: int = 0) -> int:
+        """The sink's hash of `block` continued from `value`; no state touched, so a
+        backend may run it on several threads, one per range of the payload."""
+        ...
+
+    def feed_hashed(self, nbytes: int, value: int) -> None:
+        """`nbytes` more payload bytes already in the sink's buffer, in order after what
+        was fed before, whose `hash` from 0 is `value` (a range read in parallel)."""
         ...
 
     def feed_pread(self, fd: int, block: memoryview, offset: int, *, mapped: bool = False) -> int:

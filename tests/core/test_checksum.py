@@ -7,6 +7,7 @@ fresh process), so both paths are covered on any machine that has the kernels.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -39,6 +40,20 @@ def test_crc32c_continues_across_pieces() -> None:
     for cut in range(0, len(data), 300_001):
         value = checksum.crc32c(data[cut : cut + 300_001], value)
     assert value == pkg.crc32c(data)
+
+
+def test_crc32c_combine_joins_pieces_hashed_apart() -> None:
+    rng = random.Random(7)
+    data = rng.randbytes((3 << 20) + 4099)
+    cuts = sorted({0, len(data), *(rng.randrange(len(data)) for _ in range(6)), 1, 2, 8 << 10})
+    pieces = [data[a:b] for a, b in itertools.pairwise(cuts)]
+    value = 0
+    for piece in pieces:  # each hashed from 0, as a parallel range reader does
+        value = checksum.crc32c_combine(value, checksum.crc32c(piece), len(piece))
+    assert value == pkg.crc32c(data)
+    assert checksum.crc32c_combine(pkg.crc32c(b"abc"), 0, 0) == pkg.crc32c(b"abc")
+    with pytest.raises(ValueError):
+        checksum.crc32c_combine(1, 2, -1)
 
 
 @pytest.mark.parametrize("n", LENGTHS)

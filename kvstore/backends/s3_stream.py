@@ -1,0 +1,317 @@
+"""S3 GETs read straight into their destination on worker threads: one copy, off the socket.
+
+Owns: `S3Streams`, keep-alive HTTP/1.1 connections (``http.client``, TLS included) to
+an S3 endpoint, and the blocking steps of a streamed GET of a presigned URL:
+`S3Streams.begin` (request the object's first bytes, read its head, ask the `StreamSink`
+where the payload goes), `S3Streams.finish_first` (the rest of that response into the
+sink's buffer, block by block, each block hashed while it is still in cache) and
+`S3Streams.read_range` (one further range of a large object, hashed on its own thread;
+the caller hands the results to the sink in order).  aiobotocore hands a body over as
+Python ``bytes`` read on the event loop, which a read then copies into the caller's
+buffer; here each block lands once, from the socket, outside the GIL.  Must not touch:
+signing and credentials (the backend presigns every URL with its aiobotocore client),
+keys, frames (the sink), counters and the breaker (the backend's), the event loop.
+
+Faults raise, for the backend to count: a botocore ``ClientError`` built from the
+answer's status and S3 error code (so 404, 403, 412, SlowDown classify as they do for
+aiobotocore's requests), `ShortBody` for a body that ended early or a range answered with
+the wrong length, ``OSError`` / ``TimeoutError`` / ``http.client.HTTPException`` for the
+network.  A request that fails before any byte of the body is read (a keep-alive
+connection the server had closed, a 5xx, throttling, a reset) is sent again, with
+exponential backoff, up to ``max_attempts`` attempts in all; once bytes land in the
+caller's buffer a fault ends the read.  A connection whose answer was not read to the
+end is closed, never reused.  Each socket read waits at most ``read_timeout``; the
+caller's ``deadline`` is checked before every request and between blocks.
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import re
+import ssl
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import SplitResult, urlsplit
+
+from botocore.exceptions import ClientError
+
+from kvstore.backends.s3_body import ShortBody
+from kvstore.backends.stream import StreamSink
+
+BLOCK = 256 << 10  # bytes per socket read: hashed while the block is still in L2
+DRAIN_MAX = 1 << 20  # an unwanted rest up to this size is read off to keep the connection
+ERROR_BODY_MAX = 64 << 10
+RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+_CODE = re.compile(rb"<Code>([^<]{1,128})</Code>")
+_MESSAGE = re.compile(rb"<Message>([^<]{0,512})</Message>")
+_RANGE_TOTAL = re.compile(r"bytes \d+-\d+/(\d+)")
+
+
+@dataclass(slots=True)
+class Opened:
+    """An object's GET whose headers and head arrived and whose sink named a buffer."""
+
+    conn: http.client.HTTPConnection
+    resp: http.client.HTTPResponse
+    pool_key: str
+    total: int  # bytes in the object
+    length: int  # bytes this answer carries (from byte 0)
+    etag: str | None
+    dst: memoryview  # the payload's destination (object bytes [offset, offset + len(dst)))
+    offset: int
+    done: int  # payload bytes already in `dst` (and fed to the sink)
+
+
+@dataclass(slots=True)
+class Settled:
+    """The GET ended before the payload: a miss (``missing``) or the sink's verdict."""
+
+    missing: bool
+    verdict: object = None
+
+
+class S3Streams:
+    """Pooled HTTP connections for streamed GETs; at most `size` idle ones per host."""
+
+    def __init__(
+        self,
+        *,
+        size: int = 16,
+        connect_timeout: float = 3.0,
+        read_timeout: float = 10.0,
+        max_attempts: int = 4,
+        ca_bundle: str | None = None,
+    ) -> None:
+        self.size = size
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.max_attempts = max(1, max_attempts)
+        self._ca_bundle = ca_bundle
+        self._tls: ssl.SSLContext | None = None
+        self._idle: dict[str, list[http.client.HTTPConnection]] = {}
+        self._lock = threading.Lock()
+        self.requests = 0  # sent, retries included (for tests and stats)
+        self.retries = 0
+
+    # -- connections -----------------------------------------------------------------
+    def _take(self, u: SplitResult) -> tuple[str, http.client.HTTPConnection, bool]:
+        key = f"{u.scheme}://{u.netloc}"
+        with self._lock:
+            idle = self._idle.get(key)
+            if idle:
+                return key, idle.pop(), True
+        host, port = u.hostname or "", u.port
+        conn: http.client.HTTPConnection
+        if u.scheme == "https":
+            if self._tls is None:
+                self._tls = ssl.create_default_context(cafile=self._ca_bundle)
+            conn = http.client.HTTPSConnection(host, port, timeout=self.connect_timeout, context=self._tls)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=self.connect_timeout)
+        return key, conn, False
+
+    def _give(self, key: str, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(key, [])
+            if len(idle) < self.size:
+                idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            conns = [c for idle in self._idle.values() for c in idle]
+            self._idle.clear()
+        for c in conns:
+            c.close()
+
+    # -- one request -----------------------------------------------------------------
+    def _get(
+        self, url: str, headers: Mapping[str, str], deadline: float
+    ) -> tuple[str, http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send GET `url` until an answer of 200/206 (returned, body unread) or a final
+        error (raised); see the module docstring for what is retried."""
+        u = urlsplit(url)
+        target = f"{u.path or '/'}?{u.query}" if u.query else (u.path or "/")
+        attempt = 0
+        while True:
+            _check(deadline)
+            key, conn, reused = self._take(u)
+            self.requests += 1
+            try:
+                conn.request("GET", target, headers=dict(headers))
+                if conn.sock is not None:
+                    conn.sock.settimeout(self.read_timeout)
+                resp = conn.getresponse()
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                if reused and isinstance(exc, (http.client.RemoteDisconnected, ConnectionError)):
+                    self.retries += 1  # the server may have closed an idle keep-alive connection:
+                    continue  # sent again at once on a new one, not counted as an attempt
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    raise
+                self._backoff(attempt, deadline)
+                continue
+            if resp.status in (200, 206):
+                return key, conn, resp
+            err = _error(resp, "GetObject")
+            if resp.isclosed():
+                self._give(key, conn)
+            else:
+                conn.close()
+            attempt += 1
+            if resp.status not in RETRY_STATUS or attempt >= self.max_attempts:
+                raise err
+            self._backoff(attempt, deadline)
+
+    def _backoff(self, attempt: int, deadline: float) -> None:
+        self.retries += 1
+        pause = min(random.uniform(0, 0.05 * 2**attempt), max(0.0, deadline - time.monotonic()))
+        time.sleep(pause)
+
+    # -- a streamed GET ----------------------------------------------------------------
+    def begin(self, url: str, sink: StreamSink, first: int, deadline: float) -> Opened | Settled:
+        """GET bytes [0, `first`) of the object (all of it when smaller), read its head
+        and let `sink` name the payload's buffer.  `Settled` when the object is missing
+        or the sink declined (its verdict then); else the open answer, the payload bytes
+        that came with the head already placed and fed."""
+        try:
+            key, conn, resp = self._get(url, {"Range": f"bytes=0-{first - 1}"}, deadline)
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            code = exc.response.get("Error", {}).get("Code")
+            if status == 404 and code != "NoSuchBucket":
+                return Settled(missing=True)
+            if status != 416:
+                raise
+            key, conn, resp = self._get(url, {}, deadline)  # an empty object has no byte 0
+        kept = False
+        try:
+            length = resp.length if resp.length is not None else -1
+            if length < 0:
+                raise ShortBody("answer without a Content-Length")
+            total = length
+            if resp.status == 206:
+                m = _RANGE_TOTAL.fullmatch(resp.getheader("Content-Range") or "")
+                if m is None:
+                    raise ShortBody(f"unreadable Content-Range {resp.getheader('Content-Range')!r}")
+                total = int(m.group(1))
+            head = memoryview(bytearray(min(length, sink.head)))
+            _read_exact(resp, head, deadline)
+            where = sink.body(head, total)
+            if where is None:
+                rest = length - len(head)
+                if rest <= DRAIN_MAX:
+                    _drain(resp, rest, deadline)
+                    kept = True
+                    self._give(key, conn)
+                return Settled(missing=False, verdict=sink.finish())
+            dst, offset = where
+            dst = dst if dst.format == "B" and dst.ndim == 1 else dst.cast("B")
+            if offset > len(head):
+                raise ShortBody("payload starts past the head the sink read")
+            done = min(len(head), offset + len(dst)) - offset
+            if done > 0:
+                sink.feed_from(dst[:done], head[offset : offset + done])
+            kept = True
+            return Opened(conn, resp, key, total, length, resp.getheader("ETag"), dst, offset, max(0, done))
+        finally:
+            if not kept:
+                conn.close()
+
+    def finish_first(self, opened: Opened, sink: StreamSink, deadline: float) -> None:
+        """The rest of the first answer into ``opened.dst``, each block fed to `sink`."""
+        o = opened
+        end = min(o.length - o.offset, len(o.dst))
+        whole = False
+        try:
+            pos = o.done
+            while pos < end:
+                _check(deadline)
+                block = o.dst[pos : min(end, pos + BLOCK)]
+                _read_exact(o.resp, block, deadline)
+                sink.feed(block)
+                pos += len(block)
+            o.done = pos
+            whole = o.resp.length == 0 or _drain(o.resp, o.resp.length or 0, deadline)
+        finally:
+            if whole:
+                self._give(o.pool_key, o.conn)
+            else:
+                o.conn.close()
+
+    def read_range(
+        self, url: str, etag: str | None, into: memoryview, lo: int, sink: StreamSink, deadline: float
+    ) -> int:
+        """Object bytes [lo, lo + len(into)) into `into` (the same object: ``If-Match``
+        its ETag); the sink's hash of them from 0."""
+        headers = {"Range": f"bytes={lo}-{lo + len(into) - 1}"}
+        if etag:
+            headers["If-Match"] = etag
+        key, conn, resp = self._get(url, headers, deadline)
+        whole = False
+        try:
+            if resp.status != 206 or resp.length != len(into):
+                raise ShortBody(f"range of {len(into)} bytes answered with {resp.status}, {resp.length} bytes")
+            value, pos = 0, 0
+            while pos < len(into):
+                _check(deadline)
+                block = into[pos : pos + BLOCK]
+                _read_exact(resp, block, deadline)
+                value = sink.hash(block, value)
+                pos += len(block)
+            whole = True
+            return value
+        finally:
+            if whole:
+                self._give(key, conn)
+            else:
+                conn.close()
+
+
+def _check(deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError("S3 read passed its deadline (the timeout URL option)")
+
+
+def _read_exact(resp: http.client.HTTPResponse, into: memoryview, deadline: float) -> None:
+    pos = 0
+    while pos < len(into):
+        n = resp.readinto(into[pos:])
+        if not n:
+            raise ShortBody(f"body ended {len(into) - pos} bytes early")
+        pos += n
+        if pos < len(into):
+            _check(deadline)
+
+
+def _drain(resp: http.client.HTTPResponse, n: int, deadline: float) -> bool:
+    """Read off `n` unwanted bytes; True when the answer ended there (connection reusable)."""
+    if n > 0:
+        scratch = memoryview(bytearray(min(n, BLOCK)))
+        while n > 0:
+            _check(deadline)
+            got = resp.readinto(scratch[: min(n, len(scratch))])
+            if not got:
+                return False
+            n -= got
+    return resp.length in (0, None) and not resp.chunked
+
+
+def _error(resp: http.client.HTTPResponse, operation: str) -> ClientError:
+    """A botocore ``ClientError`` for an error answer (its body read, up to a limit)."""
+    body = resp.read(ERROR_BODY_MAX) if resp.length is None or resp.length <= ERROR_BODY_MAX else b""
+    code_m, msg_m = _CODE.search(body), _MESSAGE.search(body)
+    code = code_m.group(1).decode("utf-8", "replace") if code_m else str(resp.status)
+    message = msg_m.group(1).decode("utf-8", "replace") if msg_m else resp.reason
+    return ClientError(
+        {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": resp.status}},
+        operation,
+    )
+
+
+__all__ = ["BLOCK", "Opened", "S3Streams", "Settled"]
