@@ -27,7 +27,10 @@ def test_backends_declare_their_capabilities() -> None:
     assert DiskBackend.capabilities.streamed_reads and not DiskBackend.capabilities.streams_on_loop
     assert RedisBackend.capabilities.streamed_reads and RedisBackend.capabilities.streams_on_loop
     assert RedisBackend.capabilities.server_ttl
-    assert not S3Backend.capabilities.streamed_reads and S3Backend.capabilities.ranged_reads
+    assert S3Backend.capabilities.streamed_reads and not S3Backend.capabilities.streams_on_loop
+    assert S3Backend.capabilities.ranged_reads
+    narrowed = S3Backend("s3://b/p?stream=false").capabilities  # an instance narrows its class's
+    assert not narrowed.streamed_reads and narrowed.ranged_reads
 
 
 async def test_a_backend_without_streamed_reads_refuses_them() -> None:
