@@ -375,9 +375,7 @@ class S3Backend(Backend):
             return True
         upload = await self._request(client.create_multipart_upload, Bucket=o.bucket, Key=key)
         upload_id = upload["UploadId"]
-        bounds = [
-            (n + 1, lo, min(size, lo + o.part_size)) for n, lo in enumerate(range(0, size, o.part_size))
-        ]
+        bounds = part_bounds(size, o.part_size)
 
         async def part(number: int, lo: int, hi: int) -> dict[str, Any]:
             resp = await self._request(
@@ -879,6 +877,16 @@ class S3Backend(Backend):
                 "retry_mode": o.retry_mode,
             },
         )
+
+
+def part_bounds(size: int, part_size: int) -> list[tuple[int, int, int]]:
+    """(part number, start, end) of a multipart upload of `size` bytes: ``size //
+    part_size`` parts (at least one) of equal size, each at least `part_size` (so S3's
+    5 MiB minimum holds), the last one up to a part shorter: a frame a header's length
+    past a multiple of `part_size` makes each part a few bytes longer, not one more
+    request of a few hundred bytes."""
+    step = -(-size // max(1, size // part_size))
+    return [(k + 1, lo, min(size, lo + step)) for k, lo in enumerate(range(0, size, step))]
 
 
 async def _settled(futures: list[asyncio.Future[Any]]) -> list[Any]:

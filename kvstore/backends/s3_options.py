@@ -17,7 +17,7 @@ profile                        env              AWS profile for credentials
 addressing_style               auto             path | virtual | auto (path for MinIO/Ceph)
 concurrency                    16               requests in flight; also the pool size
 multipart_threshold            16MiB            objects larger than this upload in parts
-part_size                      8MiB             multipart part size (S3 minimum 5MiB)
+part_size                      8MiB             multipart part size, at least (S3's minimum: 5MiB)
 range_threshold                16MiB            objects larger than this download in ranges
 range_size                     8MiB             size of one ranged GET (past range_threshold)
 stream                         true             reads into the caller's tensors land straight

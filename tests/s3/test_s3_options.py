@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kvstore.backends.s3_options import S3Options
@@ -43,3 +45,22 @@ def test_options_are_parsed():
 def test_bad_urls_say_what_to_fix(url, words):
     with pytest.raises(ValueError, match=words):
         S3Options.from_url(url)
+
+
+@pytest.mark.parametrize(
+    ("size", "part", "sizes"),
+    [
+        ((16 << 20) + 200, 8 << 20, [(8 << 20) + 100, (8 << 20) + 100]),  # a frame past 16 MiB: two parts
+        (20 << 20, 5 << 20, [5 << 20] * 4),
+        ((5 << 20) + 1, 8 << 20, [(5 << 20) + 1]),  # under one part: one
+        ((24 << 20) - 1, 8 << 20, [12 << 20, (12 << 20) - 1]),  # not three: one would be short
+    ],
+)
+def test_multipart_parts_are_even_and_never_under_part_size(size, part, sizes):
+    from kvstore.backends.s3 import part_bounds
+
+    bounds = part_bounds(size, part)
+    assert [hi - lo for _, lo, hi in bounds] == sizes
+    assert [n for n, _, _ in bounds] == list(range(1, len(sizes) + 1))
+    assert bounds[0][1] == 0 and bounds[-1][2] == size
+    assert all(a[2] == b[1] for a, b in itertools.pairwise(bounds))
