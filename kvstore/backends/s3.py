@@ -370,14 +370,22 @@ class S3Backend(Backend):
     async def _put_one(self, key: str, parts: list[memoryview]) -> bool:
         o, client = self.options, self._client
         size = sum(p.nbytes for p in parts)
+        streamed = self.capabilities.streamed_reads  # the `stream` option: reads and writes
         if size <= o.multipart_threshold:
-            await self._request(client.put_object, Bucket=o.bucket, Key=key, Body=PartsBody(parts))
+            if streamed:
+                await self._put_streamed(key, parts, "put_object", {})
+            else:
+                await self._request(client.put_object, Bucket=o.bucket, Key=key, Body=PartsBody(parts))
             return True
         upload = await self._request(client.create_multipart_upload, Bucket=o.bucket, Key=key)
         upload_id = upload["UploadId"]
         bounds = part_bounds(size, o.part_size)
 
         async def part(number: int, lo: int, hi: int) -> dict[str, Any]:
+            if streamed:
+                body = slice_parts(parts, lo, hi)
+                etag = await self._put_streamed(key, body, "upload_part", {"UploadId": upload_id, "PartNumber": number})
+                return {"PartNumber": number, "ETag": etag}
             resp = await self._request(
                 client.upload_part,
                 Bucket=o.bucket,
@@ -405,6 +413,25 @@ class S3Backend(Backend):
             await asyncio.shield(self._spawn(self._abandon(client, key, upload_id, tasks)))
             raise
         return True
+
+    async def _put_streamed(self, key: str, body: list[memoryview], operation: str, params: dict[str, Any]) -> str:
+        """PUT `body` through a presigned `operation` URL on a worker thread (see
+        `kvstore.backends.s3_stream`); its ETag.  A cancelled caller waits for the thread
+        (it sends from the caller's buffers)."""
+        o = self.options
+        streams, threads = self._stream_pool()
+        deadline = time.monotonic() + o.timeout
+        assert self._sem is not None
+        async with self._sem:
+            url = await self._client.generate_presigned_url(
+                operation, Params={"Bucket": o.bucket, "Key": key, **params}, ExpiresIn=int(o.timeout) + 60
+            )
+            loop = asyncio.get_running_loop()
+            (done,) = await _settled([loop.run_in_executor(threads, streams.put, url, body, deadline)])
+        etag = _value(done)
+        if not etag:
+            raise ShortBody(f"{operation} answered without an ETag")
+        return cast(str, etag)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)

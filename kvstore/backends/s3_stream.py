@@ -1,4 +1,5 @@
-"""S3 GETs read straight into their destination on worker threads: one copy, off the socket.
+"""S3 GETs read straight into their destination, PUTs sent straight from the caller's
+buffers, on worker threads.
 
 Owns: `S3Streams`, keep-alive HTTP/1.1 connections (``http.client``, TLS included) to
 an S3 endpoint, and the blocking steps of a streamed GET of a presigned URL:
@@ -6,9 +7,12 @@ an S3 endpoint, and the blocking steps of a streamed GET of a presigned URL:
 where the payload goes), `S3Streams.finish_first` (the rest of that response into the
 sink's buffer, block by block, each block hashed while it is still in cache) and
 `S3Streams.read_range` (one further range of a large object, hashed on its own thread;
-the caller hands the results to the sink in order).  aiobotocore hands a body over as
-Python ``bytes`` read on the event loop, which a read then copies into the caller's
-buffer; here each block lands once, from the socket, outside the GIL.  Must not touch:
+the caller hands the results to the sink in order); `S3Streams.put`, a PUT of a presigned
+PutObject / UploadPart URL whose body is the caller's buffers as they are.  aiobotocore
+hands a body over as Python ``bytes`` read on the event loop, which a read then copies
+into the caller's buffer, and hashes a PUT's body with SHA-256 on the event loop (SigV4
+over ``http://``); here each block lands once, from the socket, outside the GIL, and a
+presigned PUT is signed ``UNSIGNED-PAYLOAD`` (the frame's own CRC32C covers the bytes).  Must not touch:
 signing and credentials (the backend presigns every URL with its aiobotocore client),
 keys, frames (the sink), counters and the breaker (the backend's), the event loop.
 
@@ -32,7 +36,7 @@ import re
 import ssl
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import SplitResult, urlsplit
 
@@ -129,20 +133,29 @@ class S3Streams:
             c.close()
 
     # -- one request -----------------------------------------------------------------
-    def _get(
-        self, url: str, headers: Mapping[str, str], deadline: float
+    def _send(
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        deadline: float,
+        body: Sequence[memoryview] = (),
     ) -> tuple[str, http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Send GET `url` until an answer of 200/206 (returned, body unread) or a final
-        error (raised); see the module docstring for what is retried."""
+        """Send `method` `url` (with `body`, the caller's buffers sent as they are) until
+        an answer of 200/206 (returned, its body unread) or a final error (raised); see
+        the module docstring for what is sent again."""
         u = urlsplit(url)
         target = f"{u.path or '/'}?{u.query}" if u.query else (u.path or "/")
+        sent = dict(headers)
+        if method == "PUT":
+            sent["Content-Length"] = str(sum(v.nbytes for v in body))
         attempt = 0
         while True:
             _check(deadline)
             key, conn, reused = self._take(u)
             self.requests += 1
             try:
-                conn.request("GET", target, headers=dict(headers))
+                conn.request(method, target, body=list(body) if body else None, headers=sent)
                 if conn.sock is not None:
                     conn.sock.settimeout(self.read_timeout)
                 resp = conn.getresponse()
@@ -158,7 +171,7 @@ class S3Streams:
                 continue
             if resp.status in (200, 206):
                 return key, conn, resp
-            err = _error(resp, "GetObject")
+            err = _error(resp, "GetObject" if method == "GET" else "PutObject")
             if resp.isclosed():
                 self._give(key, conn)
             else:
@@ -167,6 +180,29 @@ class S3Streams:
             if resp.status not in RETRY_STATUS or attempt >= self.max_attempts:
                 raise err
             self._backoff(attempt, deadline)
+
+    def _get(
+        self, url: str, headers: Mapping[str, str], deadline: float
+    ) -> tuple[str, http.client.HTTPConnection, http.client.HTTPResponse]:
+        return self._send("GET", url, headers, deadline)
+
+    # -- a streamed PUT ----------------------------------------------------------------
+    def put(self, url: str, body: Sequence[memoryview], deadline: float) -> str | None:
+        """PUT `body` (the buffers as they are, never joined) to a presigned PutObject or
+        UploadPart URL; the answer's ETag.  Sent again whole on the faults `_send` retries
+        (a PUT of the same bytes is idempotent)."""
+        key, conn, resp = self._send("PUT", url, {}, deadline, body)
+        whole = False
+        try:
+            etag = resp.getheader("ETag")
+            resp.read(ERROR_BODY_MAX)
+            whole = resp.isclosed()
+            return etag
+        finally:
+            if whole:
+                self._give(key, conn)
+            else:
+                conn.close()
 
     def _backoff(self, attempt: int, deadline: float) -> None:
         self.retries += 1

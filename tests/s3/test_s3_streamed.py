@@ -66,16 +66,16 @@ async def test_streamed_reads_land_in_out_bytes_equal_with_ranges_for_large_obje
     small, mid, big = ints(32, 1024), ints(1024, 1024, seed=1), ints(10 * 1024, 1024, seed=2)  # 128 KiB, 4, 40 MiB
     names = ["ns/m/f-1-0/1", "ns/m/f-1-0/2", "ns/m/f-1-0/3"]
     assert await st.put_many(list(zip(names, [small, mid, big]))) == [True] * 3
+    streams, _ = b._stream_pool()
+    sent, again = streams.requests, streams.retries  # the puts went through it too
     outs = [torch.zeros_like(t) for t in (small, mid, big)]
     got = await st.get_many(names, out=outs)
     assert all(g is o for g, o in zip(got, outs))
     assert torch.equal(outs[0], small) and torch.equal(outs[1], mid) and torch.equal(outs[2], big)
     assert st.pool.pooled_bytes == 0, "streamed: no intermediate buffer"
-    streams = b._streams
-    assert streams is not None
     # one GET each for the first two; the 40 MiB payload and its header: 16 MiB first, then
     # three 8 MiB ranges and a short one
-    assert (streams.requests, streams.retries) == (2 + 5, 0)
+    assert (streams.requests - sent, streams.retries - again) == (2 + 5, 0)
     assert b.counters.hits == 3 and b.counters.get_bytes >= big.numel() * 4
     await st.close()
 
@@ -84,10 +84,12 @@ async def test_one_get_per_object_when_range_threshold_is_large(env):
     st = store(env.endpoint, "one", range_threshold="1GiB")
     big = ints(10 * 1024, 1024, seed=3)
     await st.put_many([("ns/m/f-1-0/9", big)])
+    streams, _ = backend_of(st)._stream_pool()
+    sent = streams.requests
     out = torch.zeros_like(big)
     assert (await st.get_many(["ns/m/f-1-0/9"], out=[out]))[0] is out
     assert torch.equal(out, big)
-    assert backend_of(st)._streams.requests == 1
+    assert streams.requests - sent == 1
     await st.close()
 
 
@@ -151,6 +153,23 @@ async def test_a_frame_stored_under_another_name_is_refused(env):
     await st.close()
 
 
+async def test_streamed_puts_are_retried_and_counted(env, proxy):
+    st = store(proxy.url, "putfault", max_attempts=2, breaker_failures=100)
+    b = backend_of(st)
+    t = ints(256, 1024, seed=11)
+    proxy.inject(Fault.SLOWDOWN)
+    proxy.inject(Fault.RESET)
+    assert await st.put_many([("ns/m/f-1-0/w", t)]) == [True]  # sent again, whole
+    assert proxy.injected == {"slowdown": 1, "reset": 1}
+    out = torch.zeros_like(t)
+    assert (await st.get_many(["ns/m/f-1-0/w"], out=[out]))[0] is out and torch.equal(out, t)
+    proxy.set_mode(Fault.ERROR_500)
+    assert await st.put_many([("ns/m/f-1-0/x", t)]) == [False]
+    assert b.counters.put_errors == 1 and b.stats().extra["errors"]["server_error"] == 1
+    proxy.set_mode(None)
+    await st.close()
+
+
 async def test_stream_false_reads_through_aiobotocore(env):
     st = store(env.endpoint, "plain", stream="false")
     b = backend_of(st)
@@ -183,6 +202,7 @@ async def test_slowdown_5xx_and_resets_before_the_body_are_retried(env, proxy):
     st = store(proxy.url, "retry")
     t = ints(512, 1024, seed=8)
     await st.put_many([("ns/m/f-1-0/r", t)])
+    again = backend_of(st)._stream_pool()[0].retries
     proxy.inject(Fault.SLOWDOWN, count=2)
     proxy.inject(Fault.ERROR_500)
     proxy.inject(Fault.RESET)
@@ -190,7 +210,7 @@ async def test_slowdown_5xx_and_resets_before_the_body_are_retried(env, proxy):
     assert (await st.get_many(["ns/m/f-1-0/r"], out=[out]))[0] is out and torch.equal(out, t)
     assert proxy.injected == {"slowdown": 2, "error_500": 1, "reset": 1}
     b = backend_of(st)
-    assert b.counters.get_errors == 0 and b._streams.retries == 4
+    assert b.counters.get_errors == 0 and b._streams is not None and b._streams.retries - again == 4
     await st.close()
 
 
