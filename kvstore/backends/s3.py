@@ -166,7 +166,8 @@ class S3Backend(Backend):
         super().__init__(url)
         self.options = options or S3Options.from_url(url)
         o = self.options
-        if not o.stream or _proxied(o):  # streamed GETs speak HTTP themselves: no proxies
+        # streamed GETs and PUTs speak HTTP themselves: no proxies, no botocore checksums
+        if not o.stream or o.checksum == "when_supported" or _proxied(o):
             self.capabilities = Capabilities(ranged_reads=True)
         self.max_object_bytes = o.max_object_size
         self.breaker = CircuitBreaker(

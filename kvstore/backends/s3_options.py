@@ -20,9 +20,12 @@ multipart_threshold            16MiB            objects larger than this upload 
 part_size                      8MiB             multipart part size, at least (S3's minimum: 5MiB)
 range_threshold                16MiB            objects larger than this download in ranges
 range_size                     8MiB             size of one ranged GET (past range_threshold)
-stream                         true             reads into the caller's tensors land straight
-                                                from the socket on worker threads (presigned
-                                                GETs); false: through aiobotocore's body
+stream                         true             presigned GETs and PUTs on worker threads:
+                                                reads land in the caller's tensors straight
+                                                from the socket, writes go from its buffers;
+                                                false (or checksum=when_supported, or a
+                                                proxy for the endpoint): all through
+                                                aiobotocore
 checksum                       when_required    botocore request_checksum_calculation and
                                                 response_checksum_validation: when_required
                                                 (frames carry their own CRC32C checksum) or

@@ -257,3 +257,12 @@ async def test_a_cancelled_read_returns_only_after_the_writes_into_out_end(env, 
         await asyncio.sleep(0.4)
         assert all(torch.equal(o, s) for o, s in zip(outs, seen)), "a worker wrote into `out` after cancel"
         await st.close()
+
+
+def test_botocore_checksums_or_a_proxy_keep_everything_on_aiobotocore(monkeypatch):
+    monkeypatch.delenv("HTTP_PROXY", raising=False)
+    monkeypatch.delenv("http_proxy", raising=False)
+    base = "s3://b/p?endpoint_url=http://127.0.0.1:9"
+    assert S3Backend(base).capabilities.streamed_reads
+    assert not S3Backend(base + "&checksum=when_supported").capabilities.streamed_reads
+    assert not S3Backend(base + "&stream=false").capabilities.streamed_reads
