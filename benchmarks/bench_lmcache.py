@@ -4,8 +4,8 @@ Every configuration runs the same workload in the same process, one after anothe
 prompts of ``--chunks`` chunks are stored through ``engine.store`` (timed until the
 backend has finished writing) and read back through ``engine.lookup`` +
 ``engine.retrieve`` into preallocated KV buffers (timed to the last byte in place).
-LMCache's own CPU cache is off in every configuration (``LMCACHE_LOCAL_CPU=False``),
-so every byte goes through the backend under test.
+LMCache's own CPU cache is off in every configuration but ``lmcache-cpu+disk``
+(``LMCACHE_LOCAL_CPU=False``), so every byte goes through the backend under test.
 
 Configurations:
 
@@ -14,8 +14,10 @@ Configurations:
 * ``kvstore-disk-remote``  the same tier through the remote-connector path;
 * ``lmcache-redis``  LMCache's Redis connector on a local ``redis-server`` (if installed);
 * ``kvstore-redis``  kvstore storage plugin, one ``redis://`` tier on the same server (db 1);
-* ``kvstore-mem+disk``  kvstore with a memory tier over the disk tier (what a restarted
-  process does not have; shown for scale);
+* ``lmcache-cpu+disk``  LMCache's CPU pool (``LMCACHE_LOCAL_CPU=True``, 4 GB) in front of
+  LocalDisk: the peer of
+* ``kvstore-mem+disk``  kvstore with a memory tier (``mem://?capacity=4GiB``) over the disk
+  tier;
 * with ``--s3``: ``lmcache-s3`` (LMCache's S3 connector, awscrt) and ``kvstore-s3`` (the
   storage plugin, one ``s3://`` tier) against one SeaweedFS (``weed mini``) on loopback.
   LMCache's connector addresses a bucket by virtual host only (``Host: BUCKET.HOST``),
@@ -198,6 +200,14 @@ def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> 
         }
     if s3 is not None:
         out.update(s3_configs(base, s3, s3_options))
+    # the peer of kvstore's memory + disk tiers: LMCache's CPU pool in front of LocalDisk
+    out["lmcache-cpu+disk"] = {
+        **base,
+        "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": "4.0",
+        "LMCACHE_LOCAL_DISK": f"file://{tmp / 'lmcache-disk2'}/",
+        "LMCACHE_MAX_LOCAL_DISK_SIZE": "20",
+    }
     out["kvstore-mem+disk"] = {
         **base,
         "LMCACHE_STORAGE_PLUGINS": "kvstore",
@@ -396,7 +406,7 @@ def main() -> None:
                 f"{r['config']:22s} store x{r['store_GBps'] / base['store_GBps']:.2f}"
                 f"   retrieve x{r['retrieve_GBps'] / base['retrieve_GBps']:.2f}"
             )
-    peers = [(k, lm) for k, lm in (("kvstore-redis", "lmcache-redis"), ("kvstore-s3", "lmcache-s3"))]
+    peers = [("kvstore-redis", "lmcache-redis"), ("kvstore-s3", "lmcache-s3"), ("kvstore-mem+disk", "lmcache-cpu+disk")]
     peers = [(k, lm) for k, lm in peers if k in by_name and lm in by_name]
     if peers:
         print("\nratios vs LMCache's connector of the same kind (same run):")

@@ -400,7 +400,9 @@ async def _probe(tier: Any, cfg: Any) -> tuple[str, str, str]:
             _fix_for(url, _backend_error(backend)),
         )
     try:
-        (got,) = await probe.get_many([name])  # decode_frame checks the checksum and the key
+        # read back as a store reads for LMCache: into a tensor (streamed where the backend
+        # streams: S3's presigned GETs, Redis's raw sockets, mapped disk reads); checksum and key checked
+        (got,) = await probe.get_many([name], out=[torch.empty_like(data)])
         t2 = time.perf_counter()
         if got is None:
             return (
@@ -428,6 +430,8 @@ async def _probe(tier: Any, cfg: Any) -> tuple[str, str, str]:
         )
     codec = tier.codec.name
     note = "" if codec == "raw" else f"; tier codec {codec} loaded (probe written raw)"
+    if backend.capabilities.streamed_reads:
+        note += "; read back streamed into a tensor"
     if not deleted or not deleted[0]:
         note += "; delete reported no object"
     return (

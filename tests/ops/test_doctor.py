@@ -149,7 +149,8 @@ def test_s3_round_trip(env, s3_url) -> None:
     env(KVSTORE_TIERS=f"mem://doc-s3 {s3_url()}", PYTHONHASHSEED="1")
     code, report = doctor()
     assert code == 0, report
-    assert "read back verified" in check(report, "tier1 s3://")["detail"]
+    detail = check(report, "tier1 s3://")["detail"]
+    assert "read back verified" in detail and "streamed into a tensor" in detail  # the path LMCache's reads take
 
 
 # --------------------------------------------------------------------------- failures
