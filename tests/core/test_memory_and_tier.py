@@ -5,7 +5,8 @@ import torch
 
 from kvstore.backends import open_backend
 from kvstore.backends.memory import MemoryBackend
-from kvstore.tier import Tier
+from kvstore.buffers import BufferPool
+from kvstore.tier import GONE, HIT, Tier
 
 
 async def test_memory_round_trip_and_zero_copy() -> None:
@@ -99,3 +100,28 @@ async def test_a_header_claiming_a_huge_shape_is_a_quarantined_miss(codec: str) 
     await tier.backend.put(name, parts)
     assert await tier.get_many([name, "ns/absent"]) == [None, None]
     assert tier.counters.corrupt == 1 and await tier.contains_many([name]) == [False]
+
+
+async def test_a_large_batch_from_memory_is_copied_on_worker_jobs_bytes_equal(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from kvstore import tier_stream
+
+    monkeypatch.setattr(tier_stream, "_CPUS", 2)
+    groups: list[int] = []
+    real = tier_stream._copy_group
+
+    def spy(items):  # type: ignore[no-untyped-def]
+        groups.append(len(items))
+        return real(items)
+
+    monkeypatch.setattr(tier_stream, "_copy_group", spy)
+    tier = Tier.open("mem://")
+    ts = [torch.randint(-(1 << 31), (1 << 31) - 1, (1 << 20,), dtype=torch.int32) for _ in range(5)]  # 4 MiB each
+    names = [f"ns/big/{i}" for i in range(5)]
+    assert await tier.put_many(list(zip(names, ts))) == [True] * 5
+    outs = [torch.zeros_like(t) for t in ts]
+    res = await tier.read_into([*names, "ns/big/none"], [*outs, torch.zeros(1)], BufferPool(0))
+    assert [r.status for r in res] == [HIT] * 5 + [GONE]
+    assert all(r.tensor is o and torch.equal(o, t) for r, o, t in zip(res, outs, ts))
+    assert sorted(groups) == [2, 3]  # two jobs share the five objects
+    small = await tier.read_into(names[:1], [torch.zeros_like(ts[0])], BufferPool(0))  # under 8 MiB: on the loop
+    assert small[0].status == HIT and sorted(groups) == [2, 3]
