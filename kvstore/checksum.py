@@ -36,7 +36,7 @@ import crc32c as _crc32c_pkg
 log = logging.getLogger("kvstore.checksum")
 
 P_CRC32C = 0x11EDC6F41  # the Castagnoli polynomial, x^32 term included
-ACCUMULATORS = 4  # 512-bit accumulators folded in parallel: the kernel needs n >= 64 * this
+ACCUMULATORS = 4  # vector accumulators folded in parallel: the kernel needs n >= 64 * this
 MIN_FAST = 1024  # below this the package's call is cheaper than folding
 NT_MIN = 8 << 20  # `copy_crc32c` streams past the caches from this size (aligned destination)
 PREAD_BLOCK = 256 << 10  # `pread_crc32c` hashes each block while it is in L2
@@ -70,13 +70,18 @@ def _vec(distance_bits: int, lanes: int) -> str:
     return "<" + ", ".join(f"i64 {lo}, i64 {hi}" for _ in range(lanes)) + ">"
 
 
-def _ir() -> str:
+def _ir(width: int = 64) -> str:
     """LLVM IR of ``kvs_crc32c(crc, p, n)`` and ``kvs_copy_crc32c(crc, dst, src, n)``:
-    n >= 64 * ACCUMULATORS and a multiple of 64; `crc` and the result are finished CRC32C values."""
-    v = "<8 x i64>"
-    step = 64 * ACCUMULATORS
-    k_step, k512 = _vec(8 * step, 4), _vec(512, 4)
-    k384, k256, k128 = (_vec(d, 1) for d in (384, 256, 128))
+    n >= 64 * ACCUMULATORS and a multiple of 64; `crc` and the result are finished CRC32C
+    values.  `width`: bytes per accumulator, 64 (AVX-512 VPCLMULQDQ) or 32 (AVX2 with
+    VPCLMULQDQ: the same folds on 256-bit vectors)."""
+    if width not in (32, 64):
+        raise ValueError(f"vector width {width} bytes: 32 or 64")
+    v = f"<{width // 8} x i64>"
+    lanes_per = width // 16  # 128-bit lanes per accumulator
+    vclmul = "@llvm.x86.pclmulqdq.512" if width == 64 else "@llvm.x86.pclmulqdq.256"
+    step = width * ACCUMULATORS
+    k_step, k_one = _vec(8 * step, lanes_per), _vec(8 * width, lanes_per)
     lines: list[str] = []
     emit = lines.append
     counter = iter(range(1_000_000))
@@ -84,7 +89,7 @@ def _ir() -> str:
     def tmp() -> str:
         return f"%t{next(counter)}"
 
-    def fold(acc: str, k: str, vt: str = v, clmul: str = "@llvm.x86.pclmulqdq.512") -> str:
+    def fold(acc: str, k: str, vt: str = v, clmul: str = vclmul) -> str:
         a, b, c = tmp(), tmp(), tmp()
         emit(f"  {a} = call {vt} {clmul}({vt} {acc}, {vt} {k}, i8 0)")
         emit(f"  {b} = call {vt} {clmul}({vt} {acc}, {vt} {k}, i8 17)")
@@ -97,7 +102,7 @@ def _ir() -> str:
         return r
 
     def load(off: str, copy: str) -> str:
-        """Load 64 bytes at `off`; with `copy` (the store's attributes) also store them."""
+        """Load `width` bytes at `off`; with `copy` (the store's attributes) also store them."""
         src, val = tmp(), tmp()
         emit(f"  {src} = getelementptr i8, ptr %src, i64 {off}")
         emit(f"  {val} = load {v}, ptr {src}, align 1")
@@ -114,7 +119,7 @@ def _ir() -> str:
         emit("  %raw = xor i32 %crc, -1")
         emit("  %raw64 = zext i32 %raw to i64")
         emit(f"  %init = insertelement {v} zeroinitializer, i64 %raw64, i32 0")
-        first = [load(str(64 * i), copy) for i in range(ACCUMULATORS)]
+        first = [load(str(width * i), copy) for i in range(ACCUMULATORS)]
         a0 = xor(first[0], "%init")
         emit("  br label %loop")
         emit("loop:")
@@ -127,7 +132,7 @@ def _ir() -> str:
         emit("body:")
         for i in range(ACCUMULATORS):
             off = tmp()
-            emit(f"  {off} = add i64 %off, {64 * i}")
+            emit(f"  {off} = add i64 %off, {width * i}")
             nxt = xor(fold(f"%a{i}", k_step), load(off, copy))
             emit(f"  %a{i}.next = xor {v} {nxt}, zeroinitializer")
         emit(f"  %off.next = add i64 %off, {step}")
@@ -136,31 +141,29 @@ def _ir() -> str:
         last = ACCUMULATORS - 1
         c = f"%a{last}"
         for i in range(last):
-            c = xor(c, fold(f"%a{i}", _vec(512 * (last - i), 4)))
+            c = xor(c, fold(f"%a{i}", _vec(8 * width * (last - i), lanes_per)))
         emit("  br label %tail")
         emit("tail:")
         emit("  %toff = phi i64 [%off, %combine], [%toff.next, %tailbody]")
         emit(f"  %acc = phi {v} [{c}, %combine], [%acc.next, %tailbody]")
-        emit("  %tend = add i64 %toff, 64")
+        emit(f"  %tend = add i64 %toff, {width}")
         emit("  %tmore = icmp ule i64 %tend, %n")
         emit("  br i1 %tmore, label %tailbody, label %lanes")
         emit("tailbody:")
-        nxt = xor(fold("%acc", k512), load("%toff", copy))
+        nxt = xor(fold("%acc", k_one), load("%toff", copy))
         emit(f"  %acc.next = xor {v} {nxt}, zeroinitializer")
-        emit("  %toff.next = add i64 %toff, 64")
+        emit(f"  %toff.next = add i64 %toff, {width}")
         emit("  br label %tail")
         emit("lanes:")
         lanes = []
-        for i in range(4):
+        for i in range(lanes_per):
             ln = tmp()
             emit(f"  {ln} = shufflevector {v} %acc, {v} poison, <2 x i32> <i32 {2 * i}, i32 {2 * i + 1}>")
             lanes.append(ln)
         w, clmul = "<2 x i64>", "@llvm.x86.pclmulqdq"
-        r = xor(
-            xor(fold(lanes[0], k384, w, clmul), fold(lanes[1], k256, w, clmul), w),
-            xor(fold(lanes[2], k128, w, clmul), lanes[3], w),
-            w,
-        )
+        r = lanes[-1]  # each lane folded onto the last, over the bits between them
+        for i, ln in enumerate(lanes[:-1]):
+            r = xor(r, fold(ln, _vec(128 * (lanes_per - 1 - i), 1), w, clmul), w)
         emit(f"  %lo = extractelement {w} {r}, i32 0")
         emit(f"  %hi = extractelement {w} {r}, i32 1")
         emit("  %c1 = call i64 @llvm.x86.sse42.crc32.64.64(i64 0, i64 %lo)")
@@ -170,14 +173,14 @@ def _ir() -> str:
         emit("  ret i32 %out")
         emit("}")
 
-    emit("declare <8 x i64> @llvm.x86.pclmulqdq.512(<8 x i64>, <8 x i64>, i8)")
+    emit(f"declare {v} {vclmul}({v}, {v}, i8)")
     emit("declare <2 x i64> @llvm.x86.pclmulqdq(<2 x i64>, <2 x i64>, i8)")
     emit("declare i64 @llvm.x86.sse42.crc32.64.64(i64, i64)")
     function("bulk", copy="")
     function("bulk_copy", copy="align 1")
     # streaming stores: no read-for-ownership of the destination's lines (one third of
     # the memory traffic of a large copy); only for a 64-byte aligned destination
-    function("bulk_copy_nt", copy="align 64, !nontemporal !0")
+    function("bulk_copy_nt", copy=f"align {width}, !nontemporal !0")
     emit("!0 = !{i32 1}")
     return "\n".join(lines) + _ENTRY_POINTS
 
@@ -473,8 +476,10 @@ finish:
 """.replace("MIN_BULK", str(64 * ACCUMULATORS)).replace("NT_MIN", str(NT_MIN))
 
 
-_REQUIRED = ("avx512f", "vpclmulqdq", "pclmul", "sse4.2")
-ENV_FALLBACK = "KVSTORE_CRC32C"  # "package": never compile the kernels
+_REQUIRED = ("vpclmulqdq", "pclmul", "sse4.2")
+_WIDE = ("avx512f",)  # 512-bit folds; else AVX2's 256-bit ones
+_NARROW = ("avx2",)
+ENV_FALLBACK = "KVSTORE_CRC32C"  # "package": never compile the kernels; "avx2": 256-bit ones
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -482,8 +487,9 @@ _state: dict[str, Any] = {}
 class _Kernels:
     """The compiled entry points (see `_ENTRY_POINTS`), called through ctypes."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, width: int) -> None:
         self.engine = engine  # the machine code lives as long as the engine
+        self.width = width  # bytes per fold vector: 64 (AVX-512) or 32 (AVX2)
         u32, u64, i64, i32, ptr = (
             ctypes.c_uint32,
             ctypes.c_uint64,
@@ -503,9 +509,11 @@ class _Kernels:
 
 
 def _compile() -> _Kernels | None:
-    """The kernels for this CPU, or None (no AVX-512 carry-less multiply, or
-    ``KVSTORE_CRC32C=package`` set to force the fallback)."""
-    if os.environ.get(ENV_FALLBACK, "").lower() == "package":
+    """The kernels for this CPU, or None (no vector carry-less multiply, or
+    ``KVSTORE_CRC32C=package`` set to force the fallback).  512-bit folds with AVX-512,
+    256-bit ones with AVX2 (``KVSTORE_CRC32C=avx2`` forces those where AVX-512 serves)."""
+    choice = os.environ.get(ENV_FALLBACK, "").lower()
+    if choice == "package":
         return None
     try:
         import llvmlite.binding as llvm
@@ -513,17 +521,23 @@ def _compile() -> _Kernels | None:
         features = llvm.get_host_cpu_features()
         if not all(features.get(f, False) for f in _REQUIRED):
             return None
+        if all(features.get(f, False) for f in _WIDE) and choice != "avx2":
+            width = 64
+        elif all(features.get(f, False) for f in _NARROW):
+            width = 32
+        else:
+            return None
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
         target = llvm.Target.from_default_triple()
         machine = target.create_target_machine(
             cpu=llvm.get_host_cpu_name(), features=features.flatten(), opt=3
         )
-        module = llvm.parse_assembly(_ir())
+        module = llvm.parse_assembly(_ir(width))
         module.verify()
         engine = llvm.create_mcjit_compiler(module, machine)
         engine.finalize_object()
-        kernels = _Kernels(engine)
+        kernels = _Kernels(engine, width)
         probe = bytes(range(256)) * 9 + b"tail"
         if kernels.crc(7, _address(probe), len(probe)) != _crc32c_pkg.crc32c(probe, 7):
             log.warning("kvstore: the vpclmulqdq CRC32C kernel disagrees with the crc32c package; not used")
@@ -619,6 +633,12 @@ def warm_up() -> None:
 def fast() -> bool:
     """Whether the vpclmulqdq kernels serve on this machine (else the package does)."""
     return _kernels() is not None
+
+
+def vector_bits() -> int:
+    """Bits of the kernels' fold vectors: 512 (AVX-512), 256 (AVX2), 0 (the package)."""
+    kernels = _kernels()
+    return 0 if kernels is None else 8 * kernels.width
 
 
 def crc32c(data: Buffer, value: int = 0) -> int:
