@@ -8,9 +8,10 @@ I/O.
 Why: a verified read copies the payload once (page cache or memory -> caller's tensor)
 and checksums it once.  The ``crc32c`` package runs the SSE4.2 ``crc32`` instruction,
 8 bytes per cycle (~24 GiB/s here), so the checksum cost half as much CPU as the copy.
-On CPUs with AVX-512 carry-less multiply (``vpclmulqdq``: Intel Ice Lake and later,
-AMD Zen 4 and later) this module folds 256 bytes per loop step with four 512-bit
-accumulators instead, and `copy_crc32c` does it on the bytes it is copying while they
+On CPUs with vector carry-less multiply (``vpclmulqdq``) this module folds four vector
+accumulators per loop step instead: 512-bit ones with AVX-512 (Intel Ice Lake and later,
+AMD Zen 4 and later), 256-bit ones with AVX2 (AMD Zen 3, Intel Alder Lake and later
+client parts), and `copy_crc32c` does it on the bytes it is copying while they
 are in registers.  The kernel is ~60 lines of LLVM IR compiled at first use through
 llvmlite (already present: numba needs it) for the host CPU; calls go through ctypes,
 which releases the GIL.  On other CPUs, or if compiling fails, both functions fall back

@@ -23,7 +23,7 @@ destination disagree modulo 64 ran ~15% slower in wall time and ~20% more CPU pe
 written before it, read the same way.
 
 The payload checksum is CRC32C (`kvstore.checksum`: carry-less-multiply folding at
-~45 GiB/s where the CPU has AVX-512 VPCLMULQDQ, else the ``crc32c`` package's SSE4.2
+~45 GiB/s where the CPU has VPCLMULQDQ (AVX-512 or AVX2), else the ``crc32c`` package's SSE4.2
 code at ~24 GiB/s; both release the GIL, so a large frame is verified on the other core
 while I/O goes on).  The header carries its own
 crc32, so a flipped bit in the header is caught before any of its fields is trusted.

@@ -34,7 +34,7 @@ Layout::
   reader pick where the rest lands, and copies the payload there through a read-only
   mapping of the file, checksummed in the same pass (`kvstore.checksum.mapped_crc32c`;
   ~1.3x an unverified ``readinto`` of warm pages), or with ``pread`` block by block
-  where mapping does not serve (``mmap=false``, no AVX-512 kernels, an object not all in
+  where mapping does not serve (``mmap=false``, no VPCLMULQDQ kernels, an object not all in
   the page cache, a file this process may not write).  A mapping is safe because a published file is never changed in place
   (writes rename a new file over it, deletes unlink it): a process that truncates a
   file under the root while it is read would make the reader fault; set ``mmap=false``

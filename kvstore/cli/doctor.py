@@ -645,11 +645,13 @@ def check_checksum(report: Report) -> None:
     from kvstore import checksum
 
     if checksum.fast():
+        kind = "AVX-512" if checksum.vector_bits() == 512 else "AVX2"
         report.add(
             "checksum",
             OK,
-            "CRC32C by the AVX-512 VPCLMULQDQ kernels (~2x the crc32c package); file:// tiers copy "
-            "warm objects from a mapping of the file, checksummed in the same pass (mmap=false: pread)",
+            f"CRC32C by the {checksum.vector_bits()}-bit {kind} VPCLMULQDQ kernels (copy and hash in one pass); "
+            "file:// tiers copy warm objects from a mapping of the file, checksummed in the same pass "
+            "(mmap=false: pread)",
         )
     elif os.environ.get(checksum.ENV_FALLBACK, "").lower() == "package":
         report.add("checksum", INFO, f"CRC32C by the crc32c package ({checksum.ENV_FALLBACK}=package is set)")
@@ -657,7 +659,7 @@ def check_checksum(report: Report) -> None:
         report.add(
             "checksum",
             INFO,
-            "CRC32C by the crc32c package: this CPU has no AVX-512 VPCLMULQDQ (or the kernels "
+            "CRC32C by the crc32c package: this CPU has no VPCLMULQDQ with AVX2 or AVX-512 (or the kernels "
             "could not be compiled; the log says why); verified reads cost more CPU here, and "
             "file:// tiers read with pread (the mapped read needs the kernels)",
         )

@@ -1,6 +1,6 @@
 """kvstore.checksum: the frame checksum gives the crc32c package's values on every path.
 
-On a CPU with AVX-512 VPCLMULQDQ these run the compiled kernels; elsewhere the fallback
+On a CPU with VPCLMULQDQ (AVX-512 or AVX2) these run the compiled kernels; elsewhere the fallback
 (the package).  The fallback is also tested directly (KVSTORE_CRC32C=package in a
 fresh process), so both paths are covered on any machine that has the kernels.
 """
@@ -124,6 +124,33 @@ def test_the_package_fallback_gives_the_same_values() -> None:
     env = {**os.environ, "KVSTORE_CRC32C": "package"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_the_256_bit_kernels_give_the_same_values() -> None:
+    """AVX2's kernels (forced where AVX-512's would serve), checked in a fresh process."""
+    code = (
+        "import random, crc32c, os, tempfile\n"
+        "from kvstore import checksum\n"
+        "if not checksum.fast(): print('none'); raise SystemExit\n"
+        "assert checksum.vector_bits() == 256, checksum.vector_bits()\n"
+        "rng = random.Random(0)\n"
+        "for n in (0, 1, 63, 64, 255, 256, 257, 1024, 4113, 65536, 70001, (8 << 20) + 77):\n"
+        "    for skew in (0, 1, 13):\n"
+        "        d = memoryview(rng.randbytes(n + skew))[skew:]\n"
+        "        assert checksum.crc32c(d, 3) == crc32c.crc32c(d, 3), (n, skew)\n"
+        "        b = memoryview(bytearray(n + 64))[skew : skew + n]\n"
+        "        assert checksum.copy_crc32c(b, d, 5) == crc32c.crc32c(d, 5) and b == d, (n, skew)\n"
+        "d = rng.randbytes(3 << 20)\n"
+        "f = tempfile.NamedTemporaryFile(); f.write(d); f.flush(); fd = os.open(f.name, os.O_RDONLY)\n"
+        "b = bytearray(len(d) + 9); assert checksum.pread_crc32c(fd, b, 0) == (len(d), crc32c.crc32c(d))\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "KVSTORE_CRC32C": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    if out.stdout.strip() == "none":
+        pytest.skip("this CPU has no VPCLMULQDQ with AVX2")
     assert out.stdout.strip() == "ok"
 
 
