@@ -114,12 +114,13 @@ async def put_get_rows(url: str, size: int, count: int, batch: int, rounds: int)
 async def ranged_rows(url: str, size: int, rounds: int, range_sizes: list[int]) -> list[dict]:
     data = os.urandom(size)
     buf = bytearray(size)
-    single = S3Backend(url, dataclasses.replace(S3Options.from_url(url), range_size=size + 1))
+    single = S3Backend(url, dataclasses.replace(S3Options.from_url(url), range_size=size + 1, range_threshold=size + 1))
     await single.open()
     assert await single.put("bench/ranged", data)
     rows = []
     ranged = {
-        r: S3Backend(url, dataclasses.replace(S3Options.from_url(url), range_size=r)) for r in range_sizes
+        r: S3Backend(url, dataclasses.replace(S3Options.from_url(url), range_size=r, range_threshold=r))
+        for r in range_sizes
     }
     best_single = 0.0
     best = dict.fromkeys(range_sizes, 0.0)
