@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Union
 
+from kvstore.backends.stream import wait_out
 from kvstore.buffers import BufferPool
 from kvstore.frame import FrameHeader
 from kvstore.keys import printable_name
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PARALLEL_MIN = 8 << 20  # a batch of buffers smaller than this is copied on the event loop
-_CPUS = os.cpu_count() or 1
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 #: where a read goes: a tensor to decode into, or a callable given the checked header
 #: that returns one (None: skip this object, it stays stored), or None (a new tensor)
@@ -107,9 +109,9 @@ async def read_streamed(
             # only once those writes are over (at once for a backend that streams on the
             # event loop; a disk read's worker threads finish their block first)
             stopped = True
-            if tier.capabilities.streams_on_loop:
+            if tier.capabilities.streams_on_loop or tier.capabilities.cancels_cleanly:
                 reading.cancel()
-            await asyncio.wait({reading})
+            await wait_out(reading)
             raise
     else:  # whole objects (memory views, or pooled buffers), then copied into the targets
         taken: list[bytearray] = []
@@ -179,13 +181,15 @@ async def _stream_buffers(raws: Sequence[memoryview | None], sinks: Sequence[Fra
         return verdicts
     groups = [todo[j::jobs] for j in range(jobs)]
     loop = asyncio.get_running_loop()
+    stop = threading.Event()
     together = asyncio.gather(
-        *(loop.run_in_executor(None, _copy_group, [(r, sinks[k]) for k, r in g]) for g in groups)
+        *(loop.run_in_executor(None, _copy_group, [(r, sinks[k]) for k, r in g], stop) for g in groups)
     )
     try:
         results = await asyncio.shield(together)
     except asyncio.CancelledError:
-        await asyncio.wait({together})
+        stop.set()  # the objects not yet begun are skipped
+        await wait_out(together)
         raise
     fault: BaseException | None = None
     for g, res in zip(groups, results):
@@ -199,13 +203,16 @@ async def _stream_buffers(raws: Sequence[memoryview | None], sinks: Sequence[Fra
     return verdicts
 
 
-def _copy_group(items: list[tuple[memoryview, FrameSink]]) -> list[object]:
+def _copy_group(items: list[tuple[memoryview, FrameSink]], stop: threading.Event) -> list[object]:
     """One worker job: each buffer into its sink in turn (a fault is returned, not raised,
-    so the others are still copied)."""
+    so the others are still copied); once `stop` is set the rest are skipped (misses)."""
     from kvstore.backends.stream import stream_from_buffer
 
     out: list[object] = []
     for raw, sink in items:
+        if stop.is_set():
+            out.append(None)
+            continue
         try:
             out.append(stream_from_buffer(raw, sink))
         except Exception as exc:

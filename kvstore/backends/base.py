@@ -144,6 +144,8 @@ class Capabilities:
     streams_on_loop: its ``read_streamed`` writes into the caller's buffers only from the
         event loop, so cancelling the read stops those writes at once (worker threads,
         as the disk backend's, finish their block first).
+    cancels_cleanly: its ``read_streamed`` may be cancelled: it stops its transfers and
+        returns (raises) only once no worker writes into the caller's buffers any more.
     in_memory: objects live in this process; reads hand back views of them (zero copy),
         so reading into pooled buffers gains nothing.
     ranged_reads: ``read_heads`` reads only the first bytes of an object.
@@ -155,6 +157,7 @@ class Capabilities:
 
     streamed_reads: bool = False
     streams_on_loop: bool = False
+    cancels_cleanly: bool = False
     in_memory: bool = False
     ranged_reads: bool = False
     server_ttl: bool = False

@@ -63,8 +63,8 @@ from kvstore.backends.base import (
 from kvstore.backends.breaker import CircuitBreaker
 from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_parts
 from kvstore.backends.s3_options import S3Options
-from kvstore.backends.s3_stream import Opened, S3Streams, Settled
-from kvstore.backends.stream import StreamSink
+from kvstore.backends.s3_stream import Op, Opened, S3Streams, Settled, Stopped
+from kvstore.backends.stream import StreamSink, wait_out
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.redact import redact_text
 
@@ -72,6 +72,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DELETE_BATCH = 1000  # the DeleteObjects maximum
+PRESIGN_MIN, PRESIGN_MAX = 900, 604800  # seconds a presigned URL lives: skew margin; SigV4's limit
 _FAILED = object()  # an operation that failed (counted); distinct from a miss (None)
 
 
@@ -160,7 +161,7 @@ class S3Backend(Backend):
     """Objects under ``prefix/`` in one bucket; see the module docstring."""
 
     schemes = ("s3",)
-    capabilities = Capabilities(ranged_reads=True, streamed_reads=True)
+    capabilities = Capabilities(ranged_reads=True, streamed_reads=True, cancels_cleanly=True)
 
     def __init__(self, url: str, options: S3Options | None = None) -> None:
         super().__init__(url)
@@ -417,18 +418,17 @@ class S3Backend(Backend):
 
     async def _put_streamed(self, key: str, body: list[memoryview], operation: str, params: dict[str, Any]) -> str:
         """PUT `body` through a presigned `operation` URL on a worker thread (see
-        `kvstore.backends.s3_stream`); its ETag.  A cancelled caller waits for the thread
-        (it sends from the caller's buffers)."""
+        `kvstore.backends.s3_stream`); its ETag.  A cancelled caller (the deadline, or a
+        failed sibling part) stops the send and waits for the thread (it sends from the
+        caller's buffers)."""
         o = self.options
         streams, threads = self._stream_pool()
-        deadline = time.monotonic() + o.timeout
+        loop = asyncio.get_running_loop()
+        op = Op(time.monotonic() + o.timeout)
         assert self._sem is not None
         async with self._sem:
-            url = await self._client.generate_presigned_url(
-                operation, Params={"Bucket": o.bucket, "Key": key, **params}, ExpiresIn=int(o.timeout) + 60
-            )
-            loop = asyncio.get_running_loop()
-            (done,) = await _settled([loop.run_in_executor(threads, streams.put, url, body, deadline)])
+            url = await self._presign(operation, {"Bucket": o.bucket, "Key": key, **params})
+            (done,) = await _settled([loop.run_in_executor(threads, streams.put, url, body, op)], op)
         etag = _value(done)
         if not etag:
             raise ShortBody(f"{operation} answered without an ETag")
@@ -723,42 +723,54 @@ class S3Backend(Backend):
     async def _stream_one(self, key: str, sink: StreamSink) -> tuple[object, int]:
         """(the sink's verdict | None for a miss | `_FAILED`, payload bytes read).  Every
         worker job of the object has ended before this returns, cancelled or not: they
-        write into the caller's buffer."""
+        write into the caller's buffer.  The ``timeout`` deadline or a cancel aborts the
+        object's transfers at once (their sockets are shut down)."""
         if not self.breaker.allow():
             self.errors["breaker_open"] += 1
             return _FAILED, 0
         o = self.options
         streams, threads = self._stream_pool()
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + o.timeout
+        op = Op(time.monotonic() + o.timeout)
+        timer = loop.call_later(o.timeout, op.abort, "deadline")
         ok = False
         assert self._sem is not None  # set by _ready()
         try:
             async with self._sem:
-                url = await self._client.generate_presigned_url(
-                    "get_object", Params={"Bucket": o.bucket, "Key": key}, ExpiresIn=int(o.timeout) + 60
-                )
+                url = await self._presign("get_object", {"Bucket": o.bucket, "Key": key})
                 first = self._first_bytes(sink.head)
-                begun = await _settled([loop.run_in_executor(threads, streams.begin, url, sink, first, deadline)])
-                opened = _value(begun[0])
+                max_size = self.max_object_bytes
+                begin = loop.run_in_executor(threads, streams.begin, url, sink, first, op, max_size)
+                try:
+                    (begun,) = await _settled([begin], op)
+                except asyncio.CancelledError:  # an answer opened meanwhile is not read
+                    late = None if begin.cancelled() or begin.exception() else begin.result()
+                    if isinstance(late, Opened):
+                        streams.release(late, op)
+                    raise
+                opened = _value(begun)
                 if isinstance(opened, Settled):
                     ok = True
+                    if opened.oversized:
+                        self.too_large(self.options.name(key), opened.oversized)  # logged
+                        self.counters.rejected += 1
                     return (None if opened.missing else opened.verdict), 0
                 assert isinstance(opened, Opened)
                 spans = [(lo, min(opened.total, lo + o.range_size)) for lo in range(opened.length, opened.total, o.range_size)]
-                parts: list[asyncio.Future[Any]] = [
-                    loop.run_in_executor(threads, streams.finish_first, opened, sink, deadline)
-                ]
+                parts: list[asyncio.Future[Any]] = [loop.run_in_executor(threads, streams.finish_first, opened, sink, op)]
                 for lo, hi in spans:
                     into = opened.dst[lo - opened.offset : hi - opened.offset]
-                    parts.append(loop.run_in_executor(threads, streams.read_range, url, opened.etag, into, lo, sink, deadline))
-                done = await _settled(parts)
+                    parts.append(loop.run_in_executor(threads, streams.read_range, url, opened.etag, into, lo, sink, op))
+                done = await _settled(parts, op)
                 for part in done:
                     _value(part)
                 for (lo, hi), value in zip(spans, done[1:]):
                     sink.feed_hashed(hi - lo, cast(int, value))
                 ok = True
                 return sink.finish(), len(opened.dst)
+        except Stopped:  # the caller gave the read up: a miss, no fault of the server's
+            ok = True
+            return None, 0
         except Exception as exc:
             kind = error_kind(exc)
             if kind == "not_found":  # deleted between the first GET and a range
@@ -771,7 +783,15 @@ class S3Backend(Backend):
                 log.debug("S3 streamed read failed (%s): %r", kind, exc)
             return _FAILED, 0
         finally:
+            timer.cancel()
             self.breaker.record(ok)
+
+    async def _presign(self, operation: str, params: dict[str, Any]) -> str:
+        """A presigned URL for one streamed request (it never leaves this process).  Valid
+        for the operation's deadline plus a margin for clock skew, as header-signed
+        requests tolerate (AWS: 15 minutes), and never past SigV4's 7-day limit."""
+        expires = int(min(PRESIGN_MAX, max(PRESIGN_MIN, self.options.timeout + 60)))
+        return cast(str, await self._client.generate_presigned_url(operation, Params=params, ExpiresIn=expires))
 
     # -- contains ------------------------------------------------------------------------
 
@@ -917,14 +937,16 @@ def part_bounds(size: int, part_size: int) -> list[tuple[int, int, int]]:
     return [(k + 1, lo, min(size, lo + step)) for k, lo in enumerate(range(0, size, step))]
 
 
-async def _settled(futures: list[asyncio.Future[Any]]) -> list[Any]:
-    """Each worker job's result or exception, once all have ended; a cancelled caller
-    still waits for them (they write into the caller's buffer), then is cancelled."""
+async def _settled(futures: list[asyncio.Future[Any]], op: Op) -> list[Any]:
+    """Each worker job's result or exception, once all have ended.  A cancelled caller
+    aborts `op` (the jobs stop at once) and still waits for them, through any further
+    cancellation (they write into or read from the caller's buffers), then is cancelled."""
     together = asyncio.gather(*futures, return_exceptions=True)
     try:
         return await asyncio.shield(together)
     except asyncio.CancelledError:
-        await asyncio.wait({together})
+        op.abort("cancelled")
+        await wait_out(together)
         raise
 
 

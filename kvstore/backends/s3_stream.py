@@ -24,8 +24,11 @@ network.  A request that fails before any byte of the body is read (a keep-alive
 connection the server had closed, a 5xx, throttling, a reset) is sent again, with
 exponential backoff, up to ``max_attempts`` attempts in all; once bytes land in the
 caller's buffer a fault ends the read.  A connection whose answer was not read to the
-end is closed, never reused.  Each socket read waits at most ``read_timeout``; the
-caller's ``deadline`` is checked before every request and between blocks.
+end is closed, never reused.  Each socket read or send of a block waits at most
+``read_timeout``.  Every step runs for an `Op`: the caller aborts it (its deadline
+passed, or the read was cancelled) from the event loop, which shuts down the op's
+sockets so a blocked read or send returns at once; the step then raises `TimeoutError`
+or `Stopped` and writes nothing more into the caller's buffer.
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ from __future__ import annotations
 import http.client
 import random
 import re
+import socket
 import ssl
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import SplitResult, urlsplit
 
@@ -54,12 +58,71 @@ _MESSAGE = re.compile(rb"<Message>([^<]{0,512})</Message>")
 _RANGE_TOTAL = re.compile(r"bytes \d+-\d+/(\d+)")
 
 
+class Stopped(Exception):
+    """The caller gave the transfer up (a cancelled read); its connection is closed."""
+
+
+class Op:
+    """One object's transfers, which the caller may abort from another thread.
+
+    `abort` records why (``"deadline"`` or ``"cancelled"``) and shuts down every socket
+    the op is using, so a worker blocked in a read or send returns at once; `check`
+    raises `TimeoutError` / `Stopped` once aborted (or once `deadline` has passed)."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.reason: str | None = None
+        self._socks: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+
+    def abort(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            socks = list(self._socks)
+        self._event.set()
+        for sock in socks:
+            _shut(sock)
+
+    def check(self) -> None:
+        if self.reason is None and time.monotonic() > self.deadline:
+            self.reason = "deadline"
+        if self.reason == "deadline":
+            raise TimeoutError("S3 transfer passed its deadline (the timeout URL option)")
+        if self.reason is not None:
+            raise Stopped(self.reason)
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._socks.add(sock)
+            aborted = self.reason is not None
+        if aborted:
+            _shut(sock)
+
+    def unwatch(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._socks.discard(sock)  # type: ignore[arg-type]
+
+    def sleep(self, seconds: float) -> None:
+        """Wait `seconds` (a backoff), or less if the op is aborted meanwhile."""
+        self._event.wait(max(0.0, min(seconds, self.deadline - time.monotonic())))
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
 @dataclass(slots=True)
 class Opened:
     """An object's GET whose headers and head arrived and whose sink named a buffer."""
 
     conn: http.client.HTTPConnection
     resp: http.client.HTTPResponse
+    sock: socket.socket
     pool_key: str
     total: int  # bytes in the object
     length: int  # bytes this answer carries (from byte 0)
@@ -75,6 +138,7 @@ class Settled:
 
     missing: bool
     verdict: object = None
+    oversized: int = 0  # the object's size, when it is over the caller's limit (a miss)
 
 
 class S3Streams:
@@ -111,7 +175,9 @@ class S3Streams:
         conn: http.client.HTTPConnection
         if u.scheme == "https":
             if self._tls is None:
-                self._tls = ssl.create_default_context(cafile=self._ca_bundle)
+                from botocore.httpsession import where  # botocore's bundle, as aiobotocore trusts
+
+                self._tls = ssl.create_default_context(cafile=self._ca_bundle or where())
             conn = http.client.HTTPSConnection(host, port, timeout=self.connect_timeout, context=self._tls)
         else:
             conn = http.client.HTTPConnection(host, port, timeout=self.connect_timeout)
@@ -133,17 +199,23 @@ class S3Streams:
             c.close()
 
     # -- one request -----------------------------------------------------------------
+    def _count(self, retry: bool = False) -> None:
+        with self._lock:
+            self.requests += not retry
+            self.retries += retry
+
     def _send(
         self,
         method: str,
         url: str,
         headers: Mapping[str, str],
-        deadline: float,
+        op: Op,
         body: Sequence[memoryview] = (),
-    ) -> tuple[str, http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Send `method` `url` (with `body`, the caller's buffers sent as they are) until
-        an answer of 200/206 (returned, its body unread) or a final error (raised); see
-        the module docstring for what is sent again."""
+    ) -> tuple[str, http.client.HTTPConnection, http.client.HTTPResponse, socket.socket]:
+        """Send `method` `url` (with `body`, the caller's buffers sent as they are, in
+        `BLOCK` slices) until an answer of 200/206 (returned, its body unread, its socket
+        watched by `op`: the caller unwatches it) or a final error (raised); see the
+        module docstring for what is sent again."""
         u = urlsplit(url)
         target = f"{u.path or '/'}?{u.query}" if u.query else (u.path or "/")
         sent = dict(headers)
@@ -151,26 +223,33 @@ class S3Streams:
             sent["Content-Length"] = str(sum(v.nbytes for v in body))
         attempt = 0
         while True:
-            _check(deadline)
+            op.check()
             key, conn, reused = self._take(u)
-            self.requests += 1
+            self._count()
+            sock: socket.socket | None = None
             try:
-                conn.request(method, target, body=list(body) if body else None, headers=sent)
-                if conn.sock is not None:
-                    conn.sock.settimeout(self.read_timeout)
+                if conn.sock is None:
+                    conn.connect()  # within connect_timeout
+                sock = conn.sock
+                sock.settimeout(self.read_timeout)  # from here: per block sent or read
+                op.watch(sock)
+                conn.request(method, target, body=_slices(body, op) if body else None, headers=sent)
                 resp = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
+                op.unwatch(sock)
                 conn.close()
+                op.check()  # aborted: no retry
                 if reused and isinstance(exc, (http.client.RemoteDisconnected, ConnectionError)):
-                    self.retries += 1  # the server may have closed an idle keep-alive connection:
-                    continue  # sent again at once on a new one, not counted as an attempt
+                    self._count(retry=True)  # the server may have closed an idle keep-alive
+                    continue  # connection: sent again at once on a new one, not an attempt
                 attempt += 1
                 if attempt >= self.max_attempts:
                     raise
-                self._backoff(attempt, deadline)
+                self._backoff(attempt, op)
                 continue
             if resp.status in (200, 206):
-                return key, conn, resp
+                return key, conn, resp, sock
+            op.unwatch(sock)
             err = _error(resp, "GetObject" if method == "GET" else "PutObject")
             if resp.isclosed():
                 self._give(key, conn)
@@ -179,19 +258,27 @@ class S3Streams:
             attempt += 1
             if resp.status not in RETRY_STATUS or attempt >= self.max_attempts:
                 raise err
-            self._backoff(attempt, deadline)
+            self._backoff(attempt, op)
 
-    def _get(
-        self, url: str, headers: Mapping[str, str], deadline: float
-    ) -> tuple[str, http.client.HTTPConnection, http.client.HTTPResponse]:
-        return self._send("GET", url, headers, deadline)
+    def _backoff(self, attempt: int, op: Op) -> None:
+        self._count(retry=True)
+        op.sleep(random.uniform(0, 0.05 * 2**attempt))
+
+    def _done(self, op: Op, key: str, conn: http.client.HTTPConnection, sock: socket.socket, whole: bool) -> None:
+        """An answer is over: its connection back to the pool if it was read to the end
+        (and the op not aborted meanwhile), else closed."""
+        op.unwatch(sock)
+        if whole and op.reason is None:
+            self._give(key, conn)
+        else:
+            conn.close()
 
     # -- a streamed PUT ----------------------------------------------------------------
-    def put(self, url: str, body: Sequence[memoryview], deadline: float) -> str | None:
+    def put(self, url: str, body: Sequence[memoryview], op: Op) -> str | None:
         """PUT `body` (the buffers as they are, never joined) to a presigned PutObject or
         UploadPart URL; the answer's ETag.  Sent again whole on the faults `_send` retries
         (a PUT of the same bytes is idempotent)."""
-        key, conn, resp = self._send("PUT", url, {}, deadline, body)
+        key, conn, resp, sock = self._send("PUT", url, {}, op, body)
         whole = False
         try:
             etag = resp.getheader("ETag")
@@ -199,24 +286,16 @@ class S3Streams:
             whole = resp.isclosed()
             return etag
         finally:
-            if whole:
-                self._give(key, conn)
-            else:
-                conn.close()
-
-    def _backoff(self, attempt: int, deadline: float) -> None:
-        self.retries += 1
-        pause = min(random.uniform(0, 0.05 * 2**attempt), max(0.0, deadline - time.monotonic()))
-        time.sleep(pause)
+            self._done(op, key, conn, sock, whole)
 
     # -- a streamed GET ----------------------------------------------------------------
-    def begin(self, url: str, sink: StreamSink, first: int, deadline: float) -> Opened | Settled:
+    def begin(self, url: str, sink: StreamSink, first: int, op: Op, max_size: int) -> Opened | Settled:
         """GET bytes [0, `first`) of the object (all of it when smaller), read its head
-        and let `sink` name the payload's buffer.  `Settled` when the object is missing
-        or the sink declined (its verdict then); else the open answer, the payload bytes
-        that came with the head already placed and fed."""
+        and let `sink` name the payload's buffer.  `Settled` when the object is missing,
+        over `max_size`, or the sink declined (its verdict then); else the open answer,
+        the payload bytes that came with the head already placed and fed."""
         try:
-            key, conn, resp = self._get(url, {"Range": f"bytes=0-{first - 1}"}, deadline)
+            key, conn, resp, sock = self._send("GET", url, {"Range": f"bytes=0-{first - 1}"}, op)
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             code = exc.response.get("Error", {}).get("Code")
@@ -224,8 +303,8 @@ class S3Streams:
                 return Settled(missing=True)
             if status != 416:
                 raise
-            key, conn, resp = self._get(url, {}, deadline)  # an empty object has no byte 0
-        kept = False
+            key, conn, resp, sock = self._send("GET", url, {}, op)  # an empty object has no byte 0
+        state = "close"  # what becomes of the connection: "close", "give" back, or "opened"
         try:
             length = resp.length if resp.length is not None else -1
             if length < 0:
@@ -236,15 +315,15 @@ class S3Streams:
                 if m is None:
                     raise ShortBody(f"unreadable Content-Range {resp.getheader('Content-Range')!r}")
                 total = int(m.group(1))
+            if total > max_size:
+                return Settled(missing=True, oversized=total)
             head = memoryview(bytearray(min(length, sink.head)))
-            _read_exact(resp, head, deadline)
+            _read_exact(resp, head, op)
             where = sink.body(head, total)
             if where is None:
                 rest = length - len(head)
-                if rest <= DRAIN_MAX:
-                    _drain(resp, rest, deadline)
-                    kept = True
-                    self._give(key, conn)
+                if rest <= DRAIN_MAX and _drain(resp, rest, op):
+                    state = "give"
                 return Settled(missing=False, verdict=sink.finish())
             dst, offset = where
             dst = dst if dst.format == "B" and dst.ndim == 1 else dst.cast("B")
@@ -253,13 +332,17 @@ class S3Streams:
             done = min(len(head), offset + len(dst)) - offset
             if done > 0:
                 sink.feed_from(dst[:done], head[offset : offset + done])
-            kept = True
-            return Opened(conn, resp, key, total, length, resp.getheader("ETag"), dst, offset, max(0, done))
+            opened = Opened(conn, resp, sock, key, total, length, resp.getheader("ETag"), dst, offset, max(0, done))
+            state = "opened"
+            return opened
+        except Exception:
+            op.check()  # aborted: say so rather than what the shut socket did
+            raise
         finally:
-            if not kept:
-                conn.close()
+            if state != "opened":
+                self._done(op, key, conn, sock, state == "give")
 
-    def finish_first(self, opened: Opened, sink: StreamSink, deadline: float) -> None:
+    def finish_first(self, opened: Opened, sink: StreamSink, op: Op) -> None:
         """The rest of the first answer into ``opened.dst``, each block fed to `sink`."""
         o = opened
         end = min(o.length - o.offset, len(o.dst))
@@ -267,75 +350,82 @@ class S3Streams:
         try:
             pos = o.done
             while pos < end:
-                _check(deadline)
+                op.check()
                 block = o.dst[pos : min(end, pos + BLOCK)]
-                _read_exact(o.resp, block, deadline)
+                _read_exact(o.resp, block, op)
                 sink.feed(block)
                 pos += len(block)
             o.done = pos
-            whole = o.resp.length == 0 or _drain(o.resp, o.resp.length or 0, deadline)
+            whole = _drain(o.resp, o.resp.length or 0, op)
+        except Exception:
+            op.check()
+            raise
         finally:
-            if whole:
-                self._give(o.pool_key, o.conn)
-            else:
-                o.conn.close()
+            self._done(op, o.pool_key, o.conn, o.sock, whole)
 
-    def read_range(
-        self, url: str, etag: str | None, into: memoryview, lo: int, sink: StreamSink, deadline: float
-    ) -> int:
+    def release(self, opened: Opened, op: Op) -> None:
+        """An opened answer that will not be read: its connection closed."""
+        self._done(op, opened.pool_key, opened.conn, opened.sock, False)
+
+    def read_range(self, url: str, etag: str | None, into: memoryview, lo: int, sink: StreamSink, op: Op) -> int:
         """Object bytes [lo, lo + len(into)) into `into` (the same object: ``If-Match``
         its ETag); the sink's hash of them from 0."""
         headers = {"Range": f"bytes={lo}-{lo + len(into) - 1}"}
         if etag:
             headers["If-Match"] = etag
-        key, conn, resp = self._get(url, headers, deadline)
+        key, conn, resp, sock = self._send("GET", url, headers, op)
         whole = False
         try:
             if resp.status != 206 or resp.length != len(into):
                 raise ShortBody(f"range of {len(into)} bytes answered with {resp.status}, {resp.length} bytes")
             value, pos = 0, 0
             while pos < len(into):
-                _check(deadline)
+                op.check()
                 block = into[pos : pos + BLOCK]
-                _read_exact(resp, block, deadline)
+                _read_exact(resp, block, op)
                 value = sink.hash(block, value)
                 pos += len(block)
-            whole = True
+            whole = _drain(resp, 0, op)
             return value
+        except Exception:
+            op.check()
+            raise
         finally:
-            if whole:
-                self._give(key, conn)
-            else:
-                conn.close()
+            self._done(op, key, conn, sock, whole)
 
 
-def _check(deadline: float) -> None:
-    if time.monotonic() > deadline:
-        raise TimeoutError("S3 read passed its deadline (the timeout URL option)")
+def _slices(body: Sequence[memoryview], op: Op) -> Iterator[memoryview]:
+    """The body in `BLOCK` slices (views, no copies): each is one ``sendall`` bounded by
+    the socket's ``read_timeout``, and an aborted op stops between them."""
+    for view in body:
+        for lo in range(0, view.nbytes, BLOCK):
+            op.check()
+            yield view[lo : lo + BLOCK]
 
 
-def _read_exact(resp: http.client.HTTPResponse, into: memoryview, deadline: float) -> None:
+def _read_exact(resp: http.client.HTTPResponse, into: memoryview, op: Op) -> None:
     pos = 0
     while pos < len(into):
         n = resp.readinto(into[pos:])
         if not n:
+            op.check()  # a socket shut by an abort reads as the end of the body
             raise ShortBody(f"body ended {len(into) - pos} bytes early")
         pos += n
-        if pos < len(into):
-            _check(deadline)
 
 
-def _drain(resp: http.client.HTTPResponse, n: int, deadline: float) -> bool:
+def _drain(resp: http.client.HTTPResponse, n: int, op: Op) -> bool:
     """Read off `n` unwanted bytes; True when the answer ended there (connection reusable)."""
     if n > 0:
         scratch = memoryview(bytearray(min(n, BLOCK)))
         while n > 0:
-            _check(deadline)
+            op.check()
             got = resp.readinto(scratch[: min(n, len(scratch))])
             if not got:
                 return False
             n -= got
-    return resp.length in (0, None) and not resp.chunked
+    if resp.length == 0 and not resp.isclosed():
+        resp.read(0)  # an empty rest: http.client marks the answer over only when asked
+    return resp.isclosed()
 
 
 def _error(resp: http.client.HTTPResponse, operation: str) -> ClientError:
@@ -350,4 +440,4 @@ def _error(resp: http.client.HTTPResponse, operation: str) -> ClientError:
     )
 
 
-__all__ = ["BLOCK", "Opened", "S3Streams", "Settled"]
+__all__ = ["BLOCK", "Op", "Opened", "S3Streams", "Settled", "Stopped"]

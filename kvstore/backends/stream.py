@@ -24,6 +24,7 @@ Sinks run on the backend's worker threads, so what they call must be thread-safe
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Protocol
 
 
@@ -59,6 +60,16 @@ class StreamSink(Protocol):
     def finish(self) -> Any: ...
 
 
+async def wait_out(fut: asyncio.Future[Any]) -> None:
+    """Wait until `fut` is done, whatever cancellations arrive meanwhile (a caller whose
+    workers write into buffers it is about to free must not leave before they end)."""
+    while not fut.done():
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            continue
+
+
 def stream_from_buffer(raw: memoryview, sink: StreamSink) -> object:
     """Drive `sink` over an object already in memory (a memory tier's view, or a buffer a
     network read filled): the same steps a streaming backend takes, the payload handed
@@ -74,4 +85,4 @@ def stream_from_buffer(raw: memoryview, sink: StreamSink) -> object:
     return sink.finish()
 
 
-__all__ = ["StreamSink", "stream_from_buffer"]
+__all__ = ["StreamSink", "stream_from_buffer", "wait_out"]

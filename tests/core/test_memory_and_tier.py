@@ -109,9 +109,9 @@ async def test_a_large_batch_from_memory_is_copied_on_worker_jobs_bytes_equal(mo
     groups: list[int] = []
     real = tier_stream._copy_group
 
-    def spy(items):  # type: ignore[no-untyped-def]
+    def spy(items, stop):  # type: ignore[no-untyped-def]
         groups.append(len(items))
-        return real(items)
+        return real(items, stop)
 
     monkeypatch.setattr(tier_stream, "_copy_group", spy)
     tier = Tier.open("mem://")

@@ -117,3 +117,19 @@ async def test_store_exposes_its_parts_through_public_faces() -> None:
     assert await st.delete_many(["ns/g"]) == [True]
     assert seen == [["ns/g"]]
     await st.close()
+
+
+async def test_wait_out_outlasts_repeated_cancels() -> None:
+    from kvstore.backends.stream import wait_out
+
+    loop = asyncio.get_running_loop()
+    work = loop.create_future()  # a worker's job, still writing
+    waiter = asyncio.ensure_future(wait_out(work))
+    for _ in range(3):
+        await asyncio.sleep(0.01)
+        waiter.cancel()  # a second and third cancel must not let the waiter leave early
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    work.set_result(None)
+    await asyncio.wait({waiter})
+    assert waiter.done()

@@ -71,7 +71,7 @@ async def test_a_failed_part_stops_the_other_parts_and_aborts_the_upload(s3_env,
         streams, _ = b._stream_pool()
         real_put = streams.put
 
-        def put(url: str, body: Any, deadline: float) -> Any:
+        def put(url: str, body: Any, op: Any) -> Any:
             number = int(re.search(r"partNumber=(\d+)", url).group(1))  # type: ignore[union-attr]
             running.add(number)
             try:
@@ -79,7 +79,7 @@ async def test_a_failed_part_stops_the_other_parts_and_aborts_the_upload(s3_env,
                     time.sleep(0.2)  # the others are on their way when this one fails
                     raise failure
                 time.sleep(1.0)  # slow parts: still sending when part 3 fails
-                etag = real_put(url, body, deadline)
+                etag = real_put(url, body, op)
                 finished.append(number)
                 return etag
             finally:

@@ -251,12 +251,62 @@ async def test_a_cancelled_read_returns_only_after_the_writes_into_out_end(env, 
         reader = asyncio.ensure_future(st.get_many(names, out=outs))
         await asyncio.sleep(0.1)
         reader.cancel()
+        t0 = time.monotonic()
         with pytest.raises(asyncio.CancelledError):
             await reader
+        assert time.monotonic() - t0 < 0.15, "the transfers were stopped, not run to their end"
         seen = [o.clone() for o in outs]
         await asyncio.sleep(0.4)
         assert all(torch.equal(o, s) for o, s in zip(outs, seen)), "a worker wrote into `out` after cancel"
+        assert not all(torch.equal(o, t) for o, t in zip(outs, ts))
+        b = backend_of(st)
+        assert b.counters.get_errors == 0 and "timeout" not in b.stats().extra["errors"]
+        out = torch.zeros_like(ts[0])  # the backend reads on, on new connections
+        assert (await st.get_many(names[:1], out=[out]))[0] is out and torch.equal(out, ts[0])
         await st.close()
+
+
+async def test_a_server_trickling_bytes_meets_the_deadline(env, server):
+    with FaultProxy(("127.0.0.1", server.ports.s3), rate=200 << 10) as slow:  # 200 KiB/s, never silent
+        st = store(slow.url, "trickle", timeout=1.0, read_timeout=5)
+        t = ints(1024, 1024, seed=30)  # 4 MiB: 20 s at that rate
+        await st.put_many([("ns/m/f-1-0/slow", t)])
+        t0 = time.monotonic()
+        assert await st.get_many(["ns/m/f-1-0/slow"], out=[torch.zeros_like(t)]) == [None]
+        assert time.monotonic() - t0 < 2.0
+        b = backend_of(st)
+        assert b.stats().extra["errors"]["timeout"] == 1 and b.counters.get_errors == 1
+        await st.close()
+
+
+async def test_an_empty_object_leaves_its_connection_usable(env):
+    st = store(env.endpoint, "empty", max_attempts=1, concurrency=1)
+    b = backend_of(st)
+    t = ints(64, 64, seed=31)
+    await st.put_many([("ns/m/f-1-0/e", t), ("ns/m/f-1-0/f", t)])
+    await _raw_put(env, b.options.key("ns/m/f-1-0/e"), b"")  # e.g. a truncated upload elsewhere
+    assert await st.get_many(["ns/m/f-1-0/e"], out=[torch.zeros_like(t)]) == [None]
+    out = torch.zeros_like(t)
+    assert (await st.get_many(["ns/m/f-1-0/f"], out=[out]))[0] is out and torch.equal(out, t)
+    assert b.counters.get_errors == 0
+    await st.close()
+
+
+async def test_an_object_over_max_object_size_is_a_miss_never_placed(env):
+    st = store(env.endpoint, "huge", max_object_size="1MiB")
+    b = backend_of(st)
+    t = ints(64, 1024, seed=32)  # 256 KiB: stored
+    await st.put_many([("ns/m/f-1-0/h", t)])
+    await _raw_put(env, b.options.key("ns/m/f-1-0/h"), b"x" * (2 << 20))  # grown past the limit
+    placed: list[object] = []
+
+    def out(header):  # type: ignore[no-untyped-def]
+        placed.append(header)
+        return torch.empty(header.shape, dtype=torch.int32)
+
+    assert await st.get_many(["ns/m/f-1-0/h"], out=[out]) == [None]
+    assert placed == [] and b.counters.rejected == 1
+    await st.close()
 
 
 def test_botocore_checksums_or_a_proxy_keep_everything_on_aiobotocore(monkeypatch):
