@@ -161,6 +161,7 @@ class S3Streams:
         self._tls: ssl.SSLContext | None = None
         self._idle: dict[str, list[http.client.HTTPConnection]] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self.requests = 0  # sent, retries included (for tests and stats)
         self.retries = 0
 
@@ -186,13 +187,15 @@ class S3Streams:
     def _give(self, key: str, conn: http.client.HTTPConnection) -> None:
         with self._lock:
             idle = self._idle.setdefault(key, [])
-            if len(idle) < self.size:
+            if len(idle) < self.size and not self._closed:
                 idle.append(conn)
                 return
         conn.close()
 
     def close(self) -> None:
+        """Close the idle connections; a worker still running closes its own when done."""
         with self._lock:
+            self._closed = True
             conns = [c for idle in self._idle.values() for c in idle]
             self._idle.clear()
         for c in conns:
@@ -218,7 +221,7 @@ class S3Streams:
         module docstring for what is sent again."""
         u = urlsplit(url)
         target = f"{u.path or '/'}?{u.query}" if u.query else (u.path or "/")
-        sent = dict(headers)
+        sent = dict(headers)  # Host: http.client's (lower-case, port unless default) is what botocore signs
         if method == "PUT":
             sent["Content-Length"] = str(sum(v.nbytes for v in body))
         attempt = 0
