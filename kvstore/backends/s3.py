@@ -586,7 +586,15 @@ class S3Backend(Backend):
     # -- get ---------------------------------------------------------------------------
 
     async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:
-        out: list[memoryview | None] = [None] * len(names)
+        jobs = await self._get_jobs(names)
+        allocate = alloc or bytearray_alloc
+        results = await asyncio.gather(*(self._guarded(partial(self._get_one, k, allocate)) for _, k in jobs))
+        got = [(r, r.nbytes) if isinstance(r, memoryview) else (r, 0) for r in results]
+        return cast(list[memoryview | None], self._count_gets(len(names), jobs, got))
+
+    async def _get_jobs(self, names: Sequence[str]) -> list[tuple[int, str]]:
+        """Count a get of every name; (index, key) of those to read.  An invalid name, or
+        every name while the bucket is unusable, is a counted error and miss."""
         self.counters.gets += len(names)
         jobs: list[tuple[int, str]] = []
         for i, name in enumerate(names):
@@ -598,19 +606,23 @@ class S3Backend(Backend):
         if jobs and not await self._ready():
             self.counters.get_errors += len(jobs)
             self.counters.misses += len(jobs)
-            return out
-        allocate = alloc or bytearray_alloc
-        results = await asyncio.gather(*(self._guarded(partial(self._get_one, k, allocate)) for _, k in jobs))
-        for (i, _), res in zip(jobs, results):
+            return []
+        return jobs
+
+    def _count_gets(self, n: int, jobs: list[tuple[int, str]], results: list[tuple[object, int]]) -> list[object | None]:
+        """Each job's (result, payload bytes) at its index: `_FAILED` a counted error and
+        miss, None a miss, anything else a hit."""
+        out: list[object | None] = [None] * n
+        for (i, _), (res, nbytes) in zip(jobs, results):
             if res is _FAILED:
                 self.counters.get_errors += 1
                 self.counters.misses += 1
-            elif not isinstance(res, memoryview):
+            elif res is None:
                 self.counters.misses += 1
             else:
                 out[i] = res
                 self.counters.hits += 1
-                self.counters.get_bytes += res.nbytes
+                self.counters.get_bytes += nbytes
         return out
 
     def _first_bytes(self, head: int = 0) -> int:
@@ -680,31 +692,9 @@ class S3Backend(Backend):
         the sink's buffer block by block; an object past ``range_threshold`` reads its
         other ranges in parallel on other workers.  Counted as `get_many` counts."""
         sinks = [open_sink(n) for n in names]
-        out: list[object | None] = [None] * len(names)
-        self.counters.gets += len(names)
-        jobs: list[tuple[int, str]] = []
-        for i, name in enumerate(names):
-            try:
-                jobs.append((i, self.options.key(check_object_name(name))))
-            except InvalidKeyError:
-                self.counters.get_errors += 1
-                self.counters.misses += 1
-        if jobs and not await self._ready():
-            self.counters.get_errors += len(jobs)
-            self.counters.misses += len(jobs)
-            return out
+        jobs = await self._get_jobs(names)
         results = await asyncio.gather(*(self._stream_one(k, sinks[i]) for i, k in jobs))
-        for (i, _), (res, nbytes) in zip(jobs, results):
-            if res is _FAILED:
-                self.counters.get_errors += 1
-                self.counters.misses += 1
-            elif res is None:
-                self.counters.misses += 1
-            else:
-                out[i] = res
-                self.counters.hits += 1
-                self.counters.get_bytes += nbytes
-        return out
+        return self._count_gets(len(names), jobs, list(results))
 
     def _stream_pool(self) -> tuple[S3Streams, ThreadPoolExecutor]:
         o = self.options
