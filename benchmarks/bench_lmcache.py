@@ -16,7 +16,8 @@ Configurations:
 * ``kvstore-redis``  kvstore storage plugin, one ``redis://`` tier on the same server (db 1);
 * ``lmcache-cpu+disk``  LMCache's CPU pool (``LMCACHE_LOCAL_CPU=True``, 4 GB) in front of
   LocalDisk: the peer of
-* ``kvstore-mem+disk``  kvstore with a memory tier (``mem://?capacity=4GiB``) over the disk
+* ``kvstore-mem+disk``  kvstore with a memory tier (``mem://?capacity=4GiB&preallocate=true``,
+  touched at start as LMCache's CPU pool is) over the disk
   tier;
 * with ``--s3``: ``lmcache-s3`` (LMCache's S3 connector, awscrt) and ``kvstore-s3`` (the
   storage plugin, one ``s3://`` tier) against one SeaweedFS (``weed mini``) on loopback.
@@ -214,7 +215,10 @@ def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> 
         "LMCACHE_EXTRA_CONFIG": json.dumps(
             {
                 **PLUGIN,
-                "kvstore.tiers": ["mem://bench-hot?capacity=4GiB", f"file://{tmp / 'kv-disk2'}?fsync=false"],
+                "kvstore.tiers": [
+                    "mem://bench-hot?capacity=4GiB&preallocate=true",
+                    f"file://{tmp / 'kv-disk2'}?fsync=false",
+                ],
                 "kvstore.timeout_s": 30,
             }
         ),

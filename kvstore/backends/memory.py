@@ -1,10 +1,15 @@
-"""In-process hot tier: ``mem://NAME?capacity=4GiB``.
+"""In-process hot tier: ``mem://NAME?capacity=4GiB[&preallocate=true]``.
 
 Owns: a dict of objects bounded in bytes (``capacity``), least recently used evicted
 first; the names evicted go to `Backend.on_evict`.
 Zero-copy on get: the returned memoryview is read-only and shares the stored buffer
 (with `alloc`, the object is copied once into the caller's buffer instead).  A put
-copies each object once into memory it owns, since callers reuse their buffers.
+copies each object once into memory it owns, since callers reuse their buffers.  With a
+``capacity``, objects of 256 KiB and up are kept in one mapping of that size
+(`memory_arena`): once its pages are touched they stay, and a full tier's next object
+lands in an evicted one's pages instead of faulting fresh ones in.  ``preallocate=true``
+touches them all when the tier opens (LMCache does so for its CPU pool; it costs
+about a second per few GiB, more in a sandbox), so the first puts run at copy speed too.
 
 Backends with the same NAME in one process share their contents, so a URL names the
 same store wherever it is opened; ``mem://`` (no name) is private to its instance.
@@ -12,9 +17,12 @@ same store wherever it is opened; ``mem://`` (no name) is private to its instanc
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Union
 from urllib.parse import urlsplit
 
 from kvstore.backends.base import (
@@ -22,20 +30,37 @@ from kvstore.backends.base import (
     Alloc,
     Backend,
     BackendStats,
+    BackendUnavailableError,
     Capabilities,
     ObjectInfo,
     Value,
     as_parts,
     redact_url,
 )
+from kvstore.backends.memory_arena import ARENA_MIN, Arena, Region
 from kvstore.keys import InvalidKeyError, check_object_name
-from kvstore.options import option_size, url_options
+from kvstore.options import option_bool, option_size, url_options
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Object:
+    data: Union[bytes, Region]
+    size: int
+    mtime: float
+
+    def view(self) -> memoryview:
+        """The object's bytes, read-only (a view of a region holds it: `memory_arena`)."""
+        data = self.data
+        return (data.view(self.size) if isinstance(data, Region) else memoryview(data)).toreadonly()
 
 
 @dataclass
 class _Space:
-    objects: OrderedDict[str, tuple[bytes, float]] = field(default_factory=OrderedDict)  # LRU first
+    objects: OrderedDict[str, _Object] = field(default_factory=OrderedDict)  # LRU first
     used: int = 0
+    arena: Arena | None = None
 
 
 _SHARED: dict[str, _Space] = {}
@@ -45,22 +70,36 @@ class MemoryBackend(Backend):
     schemes = ("mem",)
     capabilities = Capabilities(in_memory=True, enforces_capacity=True)
 
-    def __init__(self, url: str = "mem://", capacity: int | None = None) -> None:
+    def __init__(
+        self, url: str = "mem://", capacity: int | None = None, *, preallocate: bool = False
+    ) -> None:
         super().__init__(url)
         name = urlsplit(url).netloc
         self._space = _SHARED.setdefault(name, _Space()) if name else _Space()
         self.capacity = capacity
+        if capacity is not None and self._space.arena is None:  # the first opener's size
+            try:
+                self._space.arena = Arena(capacity, populate=preallocate)
+            except OSError as exc:
+                if preallocate:
+                    raise BackendUnavailableError(
+                        f"{redact_url(url)}: cannot preallocate {capacity} bytes ({exc}); lower capacity "
+                        "or drop preallocate=true"
+                    ) from exc
+                log.warning("kvstore: %s: no arena (%s); objects kept in plain bytes", redact_url(url), exc)
 
     @classmethod
     def from_url(cls, url: str) -> MemoryBackend:
-        opts = url_options(url, {"capacity", MAX_OBJECT_OPTION})
-        backend = cls(url, capacity=option_size("capacity", opts.get("capacity")))
+        opts = url_options(url, {"capacity", "preallocate", MAX_OBJECT_OPTION})
+        capacity = option_size("capacity", opts.get("capacity"))
+        preallocate = option_bool("preallocate", opts.get("preallocate"), default=False)
+        if preallocate and capacity is None:
+            raise ValueError(f"{url!r}: preallocate=true needs a capacity (e.g. capacity=4GiB)")
+        backend = cls(url, capacity=capacity, preallocate=preallocate)
         backend.set_max_object(opts.get(MAX_OBJECT_OPTION))
         return backend
 
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
-        import time
-
         out = []
         for name, value in items:
             try:
@@ -77,19 +116,38 @@ class MemoryBackend(Backend):
                 continue
             self._drop(name)
             self._make_room(size)
-            data = parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
-            self._space.objects[name] = (data, time.time())
+            data = self._copy(parts, size)
+            self._space.objects[name] = _Object(data, size, time.time())
             self._space.used += size
             self.counters.puts += 1
             self.counters.put_bytes += size
             out.append(True)
         return out
 
+    def _copy(self, parts: list[memoryview], size: int) -> bytes | Region:
+        """The object's bytes in memory this tier owns: a region of the arena from
+        `ARENA_MIN` up, else (also when no free extent of the arena is long enough:
+        regions still viewed by readers of dropped objects, or split by mixed sizes)
+        ``bytes``; the capacity bounds both alike, and a put never waits on a reader."""
+        arena = self._space.arena
+        region = arena.alloc(size) if arena is not None and size >= ARENA_MIN else None
+        if region is None:
+            return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
+        with region.view(size) as view:
+            at = 0
+            for p in parts:
+                view[at : at + p.nbytes] = p
+                at += p.nbytes
+        return region
+
     def _drop(self, name: str) -> bool:
         old = self._space.objects.pop(name, None)
         if old is None:
             return False
-        self._space.used -= len(old[0])
+        self._space.used -= old.size
+        if isinstance(old.data, Region):
+            assert self._space.arena is not None
+            self._space.arena.free(old.data)
         return True
 
     def _make_room(self, size: int) -> None:
@@ -112,15 +170,16 @@ class MemoryBackend(Backend):
                 self.counters.misses += 1
                 out.append(None)
                 continue
-            data = entry[0]
+            size = entry.size
             self._space.objects.move_to_end(name)
             self.counters.hits += 1
-            self.counters.get_bytes += len(data)
+            self.counters.get_bytes += size
             if alloc is None:
-                out.append(memoryview(data))
+                out.append(entry.view())
             else:
-                buf = alloc(len(data))[: len(data)]
-                buf[:] = data
+                buf = alloc(size)[:size]
+                with entry.view() as view:
+                    buf[:] = view
                 out.append(buf)
         return out
 
@@ -133,9 +192,9 @@ class MemoryBackend(Backend):
         return out
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        for name, (data, mtime) in list(self._space.objects.items()):
+        for name, obj in list(self._space.objects.items()):
             if name.startswith(prefix):
-                yield ObjectInfo(name, len(data), mtime)
+                yield ObjectInfo(name, obj.size, obj.mtime)
 
     def stats(self) -> BackendStats:
         return BackendStats(

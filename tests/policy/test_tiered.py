@@ -172,12 +172,16 @@ async def test_namespace_quota_drops_the_tenants_oldest_and_ttl_expires() -> Non
     await store.close()
 
 
-async def test_a_corrupt_chunk_is_a_counted_quarantined_miss() -> None:
-    backend = MemoryBackend("mem://")
+@pytest.mark.parametrize("url", ["mem://", "mem://?capacity=64MiB"])
+async def test_a_corrupt_chunk_is_a_counted_quarantined_miss(url: str) -> None:
+    backend = MemoryBackend.from_url(url)
     store = TieredStore([TierSpec(Tier(backend))])
-    await store.put_many([(name(0), chunk(0))])
-    data, mtime = backend._space.objects[name(0)]
-    backend._space.objects[name(0)] = (data[:-1] + bytes([data[-1] ^ 0xFF]), mtime)  # flip a payload byte
+    await store.put_many([(name(0), torch.arange(1 << 17, dtype=torch.float32))])  # 512 KiB: in the arena
+    (raw,) = await backend.get_many([name(0)])
+    assert raw is not None
+    data = bytes(raw)
+    del raw
+    await backend.put_many([(name(0), data[:-1] + bytes([data[-1] ^ 0xFF]))])  # flip a payload byte
     assert await store.get_many([name(0)]) == [None]
     assert await store.contains_many([name(0)]) == [False]
     text = store.metrics.text()

@@ -1,0 +1,107 @@
+"""The memory tier's arena: objects of a bounded tier live in one reused mapping, and a
+region is never handed out again while a reader still views the object it held."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.backends import open_backend
+from kvstore.backends.base import BackendUnavailableError
+from kvstore.backends.memory import MemoryBackend
+from kvstore.backends.memory_arena import ARENA_MIN, PAGE, Arena
+
+MiB = 1 << 20
+
+
+def test_regions_are_page_aligned_and_freed_extents_merge() -> None:
+    arena = Arena(8 * MiB)
+    a, b, c = (arena.alloc(2 * MiB + 1) for _ in range(3))
+    assert a is not None and b is not None and c is not None
+    assert [r.offset % PAGE for r in (a, b, c)] == [0, 0, 0]
+    assert arena.alloc(4 * MiB) is None  # 3 x (2 MiB + a page) taken: less than 2 MiB left
+    arena.free(a)
+    arena.free(b)  # a and b merge into one extent long enough for 4 MiB
+    big = arena.alloc(4 * MiB)
+    assert big is not None and big.offset == 0
+    assert arena.alloc(9 * MiB) is None
+
+
+def test_a_viewed_region_is_not_reused_until_its_last_view_goes() -> None:
+    arena = Arena(2 * MiB)
+    region = arena.alloc(2 * MiB)
+    assert region is not None
+    with region.view(2 * MiB) as w:
+        w[:] = b"\x07" * (2 * MiB)
+    held = np.frombuffer(region.view(2 * MiB)[MiB:], dtype=np.uint8)  # a derived buffer
+    arena.free(region)
+    del region
+    assert arena.alloc(MiB) is None  # still viewed: retired, not free
+    assert arena.retired_bytes == 2 * MiB
+    assert held.min() == held.max() == 7
+    del held
+    again = arena.alloc(2 * MiB)
+    assert again is not None and arena.retired_bytes == 0
+
+
+async def test_a_full_tier_reuses_its_arena_and_keeps_bytes_equal() -> None:
+    size = 4 * MiB
+    tier = MemoryBackend.from_url(f"mem://?capacity={4 * size}")
+    objects = {f"k{i}": bytes([i]) * size for i in range(12)}
+    for name, data in objects.items():
+        assert await tier.put_many([(name, data)]) == [True]
+    arena = tier._space.arena
+    assert arena is not None and arena.taken == 4 * size  # evicted objects' regions reused
+    names = [f"k{i}" for i in range(8, 12)]
+    got = await tier.get_many(names)
+    assert [bytes(v) if v is not None else None for v in got] == [objects[n] for n in names]
+    assert (await tier.get_many(["k0"])) == [None]
+
+
+async def test_a_view_handed_out_survives_eviction_of_its_object() -> None:
+    size = 2 * MiB
+    tier = MemoryBackend.from_url(f"mem://?capacity={2 * size}")
+    await tier.put_many([("a", b"\x01" * size), ("b", b"\x02" * size)])
+    (view,) = await tier.get_many(["a"])
+    assert view is not None and view.readonly
+    tensor = torch.frombuffer(view, dtype=torch.uint8)  # a reader keeps only the tensor
+    del view
+    for i in range(6):  # evicts "a", then fills the tier over and over
+        assert await tier.put_many([(f"n{i}", bytes([0x10 + i]) * size)]) == [True]
+    assert (await tier.get_many(["a"])) == [None]
+    assert int(tensor.min()) == int(tensor.max()) == 1  # the reader's bytes are untouched
+    got = await tier.get_many(["n4", "n5"])
+    assert [bytes(v) if v is not None else None for v in got] == [b"\x14" * size, b"\x15" * size]
+
+
+async def test_small_objects_and_unbounded_tiers_need_no_arena() -> None:
+    unbounded = MemoryBackend.from_url("mem://")
+    assert unbounded._space.arena is None
+    await unbounded.put_many([("x", b"y" * ARENA_MIN)])
+    assert [bytes(v) if v is not None else None for v in await unbounded.get_many(["x"])] == [
+        b"y" * ARENA_MIN
+    ]
+    tier = MemoryBackend.from_url("mem://?capacity=8MiB")
+    await tier.put_many([("small", b"s" * 100)])
+    assert tier._space.arena is not None and tier._space.arena.taken == 0
+    assert [bytes(v) if v is not None else None for v in await tier.get_many(["small"])] == [b"s" * 100]
+
+
+async def test_preallocate_option() -> None:
+    tier = open_backend("mem://?capacity=8MiB&preallocate=true")
+    await tier.put_many([("k", b"\x05" * (3 * MiB))])
+    (got,) = await tier.get_many(["k"])
+    assert got is not None and bytes(got) == b"\x05" * (3 * MiB)
+    with pytest.raises(ValueError, match="needs a capacity"):
+        open_backend("mem://?preallocate=true")
+    with pytest.raises(ValueError, match="preallocate"):
+        open_backend("mem://?capacity=8MiB&preallocate=maybe")
+
+
+async def test_a_capacity_beyond_memory_is_a_bound_unless_preallocated() -> None:
+    huge = open_backend("mem://?capacity=64TiB")  # address space only: pages come as used
+    await huge.put_many([("k", b"\x06" * MiB)])
+    assert [bytes(v) if v is not None else None for v in await huge.get_many(["k"])] == [b"\x06" * MiB]
+    with pytest.raises(BackendUnavailableError, match="lower capacity or drop preallocate=true"):
+        open_backend("mem://?capacity=64TiB&preallocate=true")
