@@ -18,6 +18,7 @@ same store wherever it is opened; ``mem://`` (no name) is private to its instanc
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -61,6 +62,9 @@ class _Space:
     objects: OrderedDict[str, _Object] = field(default_factory=OrderedDict)  # LRU first
     used: int = 0
     arena: Arena | None = None
+    preallocated: bool = False
+    # a named space may be shared by stores on different event loops (threads)
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
 
 _SHARED: dict[str, _Space] = {}
@@ -77,16 +81,31 @@ class MemoryBackend(Backend):
         name = urlsplit(url).netloc
         self._space = _SHARED.setdefault(name, _Space()) if name else _Space()
         self.capacity = capacity
-        if capacity is not None and self._space.arena is None:  # the first opener's size
-            try:
-                self._space.arena = Arena(capacity, populate=preallocate)
-            except OSError as exc:
-                if preallocate:
-                    raise BackendUnavailableError(
-                        f"{redact_url(url)}: cannot preallocate {capacity} bytes ({exc}); lower capacity "
-                        "or drop preallocate=true"
-                    ) from exc
-                log.warning("kvstore: %s: no arena (%s); objects kept in plain bytes", redact_url(url), exc)
+        space = self._space
+        with space.lock:
+            if capacity is not None and space.arena is None:  # the first bounded opener's size
+                try:
+                    space.arena = Arena(capacity, populate=preallocate)
+                    space.preallocated = preallocate
+                except OSError as exc:
+                    if preallocate:
+                        raise BackendUnavailableError(
+                            f"{redact_url(url)}: cannot preallocate {capacity} bytes ({exc}); lower capacity "
+                            "or drop preallocate=true"
+                        ) from exc
+                    log.warning(
+                        "kvstore: %s: no arena (%s); objects kept in plain bytes", redact_url(url), exc
+                    )
+            elif space.arena is not None and (
+                (preallocate and not space.preallocated) or (capacity or 0) > space.arena.capacity
+            ):
+                log.warning(
+                    "kvstore: %s: %r was opened earlier in this process with a smaller capacity or without "
+                    "preallocate=true; its first opening's arena serves (objects beyond it kept in plain bytes)",
+                    redact_url(url),
+                    name,
+                )
+        self._private = not name
 
     @classmethod
     def from_url(cls, url: str) -> MemoryBackend:
@@ -100,6 +119,10 @@ class MemoryBackend(Backend):
         return backend
 
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
+        with self._space.lock:
+            return self._put_many(items)
+
+    def _put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
         out = []
         for name, value in items:
             try:
@@ -162,6 +185,10 @@ class MemoryBackend(Backend):
         self.evicted(victims)
 
     async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:
+        with self._space.lock:
+            return self._get_many(names, alloc)
+
+    def _get_many(self, names: Sequence[str], alloc: Alloc | None) -> list[memoryview | None]:
         out: list[memoryview | None] = []
         for name in names:
             self.counters.gets += 1
@@ -187,14 +214,26 @@ class MemoryBackend(Backend):
         return [n in self._space.objects for n in names]
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
-        out = [self._drop(n) for n in names]
+        with self._space.lock:
+            out = [self._drop(n) for n in names]
         self.counters.deletes += sum(out)
         return out
 
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
-        for name, obj in list(self._space.objects.items()):
+        with self._space.lock:
+            listed = list(self._space.objects.items())
+        for name, obj in listed:
             if name.startswith(prefix):
                 yield ObjectInfo(name, obj.size, obj.mtime)
+
+    async def close(self) -> None:
+        """A private tier (``mem://`` without a name) lets its objects and arena go; a
+        named one keeps them for the process's other openers."""
+        if self._private:
+            with self._space.lock:
+                self._space.objects.clear()
+                self._space.used = 0
+                self._space.arena = None
 
     def stats(self) -> BackendStats:
         return BackendStats(

@@ -17,7 +17,7 @@ every memoryview of it, every slice of those and every buffer made from one (num
 arrays, ``torch.frombuffer`` tensors) holds a reference to that object; a freed region
 whose object's reference count is back to the arena's own is unviewed.  Until then it is
 `retired` (still counted as taken).  On an interpreter without reference counts freed
-regions are never reused.
+regions are never reused.  The arena is not thread-safe: its owner serialises calls.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import platform
 import sys
+import sysconfig
 from dataclasses import dataclass
 
 PAGE = mmap.PAGESIZE
@@ -33,10 +35,30 @@ ARENA_MIN = 256 << 10
 """Objects from this size up live in the arena; smaller ones in plain ``bytes`` (the
 allocator's own arenas already reuse their pages)."""
 
-_COUNTS_REFERENCES = sys.implementation.name == "cpython"
+# exact reference counts: CPython with its GIL (a free-threaded build defers some counts)
+_COUNTS_REFERENCES = sys.implementation.name == "cpython" and not sysconfig.get_config_var("Py_GIL_DISABLED")
 # address space only, backed as pages are touched: a capacity above free RAM is a bound,
-# not an allocation (Linux's default overcommit refuses such a mapping without it)
-_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+# not an allocation (Linux's default overcommit refuses such a mapping without it).
+# Python 3.11's mmap module lacks the constant; 0x4000 is its value on x86 and ARM Linux.
+_LINUX_GENERIC = sys.platform.startswith("linux") and platform.machine() in {
+    "x86_64",
+    "aarch64",
+    "i686",
+    "armv7l",
+}
+_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if _LINUX_GENERIC else 0)
+
+
+def available_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @dataclass(eq=False, slots=True)
@@ -53,13 +75,20 @@ class Region:
 
 
 class Arena:
-    """`capacity` bytes (rounded up to pages) in one mapping (`OSError` when the system
-    will not map it: with `populate`, more than the memory free)."""
+    """Room for `capacity` bytes of objects in one mapping: the capacity rounded up to
+    pages, plus a page per object it can hold for rounding each region up to pages.
+    `OSError` when the system will not map it; with `populate`, also when it is more
+    than the memory available (touching it all would end in the OOM killer, since
+    ``MAP_POPULATE`` does not fail when pages run out)."""
 
     def __init__(self, capacity: int, *, populate: bool = False) -> None:
-        self.capacity = max(PAGE, -(-capacity // PAGE) * PAGE)
+        slack = (capacity // ARENA_MIN + 1) * PAGE
+        self.capacity = max(PAGE, -(-capacity // PAGE) * PAGE + slack)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         if populate:
+            free = available_memory()
+            if free is not None and self.capacity > free:
+                raise OSError(f"{self.capacity} bytes asked, {free} available (MemAvailable)")
             flags |= getattr(mmap, "MAP_POPULATE", 0)
         else:
             flags |= _NORESERVE
@@ -108,7 +137,7 @@ class Arena:
         back = 0
         keep: list[Region] = []
         for region in self._retired:
-            if sys.getrefcount(region.exporter) <= 2:  # the region's reference and the argument's
+            if sys.getrefcount(region.exporter) <= _UNVIEWED:
                 self._release(region.offset, region.length)
                 back += region.length
             else:
@@ -131,4 +160,13 @@ class Arena:
         self._lengths[start] = length
 
 
-__all__ = ["ARENA_MIN", "PAGE", "Arena", "Region"]
+def _unviewed_count() -> int:
+    """The reference count of an exporter nothing views, as `reclaim` reads it (the
+    region's reference and the call's argument: 2 on CPython 3.11), measured once."""
+    probe = Region(0, 1, (ctypes.c_ubyte * 1)())
+    return sys.getrefcount(probe.exporter)
+
+
+_UNVIEWED = _unviewed_count()
+
+__all__ = ["ARENA_MIN", "PAGE", "Arena", "Region", "available_memory"]

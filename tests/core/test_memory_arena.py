@@ -100,8 +100,57 @@ async def test_preallocate_option() -> None:
 
 
 async def test_a_capacity_beyond_memory_is_a_bound_unless_preallocated() -> None:
+    # 64 TiB: more than any test machine's MemAvailable, so refused before anything is touched
     huge = open_backend("mem://?capacity=64TiB")  # address space only: pages come as used
     await huge.put_many([("k", b"\x06" * MiB)])
     assert [bytes(v) if v is not None else None for v in await huge.get_many(["k"])] == [b"\x06" * MiB]
     with pytest.raises(BackendUnavailableError, match="lower capacity or drop preallocate=true"):
         open_backend("mem://?capacity=64TiB&preallocate=true")
+
+
+def test_stores_on_two_threads_sharing_a_named_tier_never_read_each_others_bytes() -> None:
+    import asyncio
+    import sys
+    import threading
+
+    size = ARENA_MIN + 100
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+
+    async def work(t: int) -> None:
+        tier = MemoryBackend.from_url(f"mem://race-shared?capacity={6 * size}")
+        for i in range(150):
+            name = f"t{t}-{i % 9}"
+            await tier.put_many([(name, bytes([t * 16 + i % 9]) * size)])
+            for got_name, got in zip([name], await tier.get_many([name])):
+                if got is not None and bytes(got[:1]) != bytes([t * 16 + i % 9]):
+                    wrong.append(got_name)
+
+    def run(t: int) -> None:
+        try:
+            asyncio.run(work(t))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        sys.setswitchinterval(before)
+    assert errors == [] and wrong == []
+
+
+async def test_objects_that_fill_the_capacity_exactly_all_fit_in_the_arena() -> None:
+    from kvstore.backends.memory_arena import Region
+
+    size = 4 * MiB + 100  # a frame: never a whole number of pages
+    tier = MemoryBackend.from_url(f"mem://?capacity={8 * size}")
+    for i in range(16):
+        assert await tier.put_many([(f"k{i}", bytes([i]) * size)]) == [True]
+    kept = tier._space.objects
+    assert len(kept) == 8 and all(isinstance(o.data, Region) for o in kept.values())
