@@ -236,10 +236,24 @@ class MemoryBackend(Backend):
                 self._space.arena = None
 
     def stats(self) -> BackendStats:
-        return BackendStats(
-            url=redact_url(self.url),
-            objects=len(self._space.objects),
-            bytes=self._space.used,
-            capacity_bytes=self.capacity,
-            counters=self.counters,
-        )
+        space = self._space
+        with space.lock:
+            arena = space.arena
+            extra = (
+                {}
+                if arena is None
+                else {
+                    "arena_bytes": arena.capacity,
+                    "arena_taken_bytes": arena.taken,
+                    "arena_retired_bytes": arena.retired_bytes,  # dropped, still viewed by a reader
+                    "preallocated": space.preallocated,
+                }
+            )
+            return BackendStats(
+                url=redact_url(self.url),
+                objects=len(space.objects),
+                bytes=space.used,
+                capacity_bytes=self.capacity,
+                counters=self.counters,
+                extra=extra,
+            )

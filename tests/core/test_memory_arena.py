@@ -53,6 +53,9 @@ async def test_a_full_tier_reuses_its_arena_and_keeps_bytes_equal() -> None:
         assert await tier.put_many([(name, data)]) == [True]
     arena = tier._space.arena
     assert arena is not None and arena.taken == 4 * size  # evicted objects' regions reused
+    extra = tier.stats().extra
+    assert extra["arena_taken_bytes"] == 4 * size and extra["arena_retired_bytes"] == 0
+    assert extra["preallocated"] is False
     names = [f"k{i}" for i in range(8, 12)]
     got = await tier.get_many(names)
     assert [bytes(v) if v is not None else None for v in got] == [objects[n] for n in names]
