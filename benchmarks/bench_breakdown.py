@@ -27,8 +27,24 @@ on worker threads, the plain copy and ``preadv`` rows run on one thread, so wall
 says what a caller waits and CPU time what it costs.  The first round
 checks that every stage loaded the bytes stored.
 
+With ``--stores``, the same for stores of those chunks (fresh names every round; what
+a round wrote is deleted after it, untimed):
+
+    write       one ``os.write`` per chunk into a new file, renamed into place (what
+                LMCache's ``fs`` adapter does: no check; no fsync on either side)
+    crc         ``kvstore.checksum.crc32c`` over the bytes alone (what a frame's checksum
+                costs)
+    crc+write   the two, one after the other
+    mem tier    ``Tier(mem://?capacity=…&preallocate=true).put_many``: frame (CRC32C),
+                copy into the tier's arena
+    disk tier   ``Tier(file://?fsync=false).put_many``: frame, temp file, rename, index
+    store       ``TieredStore([file://…?fsync=false]).put_many``: + placement, quota,
+                tier deadline and breaker
+    L2 adapter  kvstore's MP-mode adapter store driven as LMCache's server drives it,
+                over the same kind of store
+
 Usage:
-    python benchmarks/bench_breakdown.py [--rounds 7] [--chunks 8] [--shape smollm2] [--dir DIR]
+    python benchmarks/bench_breakdown.py [--rounds 7] [--chunks 8] [--shape smollm2] [--dir DIR] [--stores]
 """
 
 from __future__ import annotations
@@ -65,8 +81,12 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=8)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
+    p.add_argument("--stores", action="store_true", help="break down stores instead of loads")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.stores:
+        stores(args)
+        return
 
     from benchmarks.bench_l2 import build_adapter, kvstore_spec
     from kvstore import checksum
@@ -184,12 +204,15 @@ def main() -> None:
         loop.close()
         shutil.rmtree(root, ignore_errors=True)
 
+    report(args, data, stages, rates, cpu, "page-cache warm")
+
+def report(args, data, stages, rates, cpu, what: str) -> None:  # type: ignore[no-untyped-def]
+    from kvstore import checksum
+
+    nbytes = sum(t.nbytes for t in data)
     chunk_mib = data[0].nbytes / (1 << 20)
-    kernel = "vpclmulqdq kernels" if checksum.fast() else "the crc32c package"
-    print(
-        f"{len(data)} chunks of {chunk_mib:.1f} MiB ({args.shape}), {args.rounds} rounds, page-cache warm;"
-        f" CRC32C by {kernel}"
-    )
+    kernel = f"{checksum.vector_bits()}-bit kernels" if checksum.fast() else "the crc32c package"
+    print(f"{len(data)} chunks of {chunk_mib:.1f} MiB ({args.shape}), {args.rounds} rounds, {what}; CRC32C by {kernel}")
     print(
         "| stage | GB/s min / median / max | ms per chunk (median) | + over the stage above | CPU ms per chunk |"
     )
@@ -201,6 +224,104 @@ def main() -> None:
         cpu_ms = median(cpu[name]) / len(data) * 1e3
         print(f"| {name} | {spread(rates[name])} | {ms:.2f} | {extra} | {cpu_ms:.2f} |")
         prev = ms
+
+
+def stores(args) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks.bench_l2 import build_adapter, kvstore_spec
+    from kvstore import checksum
+    from kvstore.tier import Tier
+    from kvstore.tiered import TieredStore
+    from kvstore_lmcache.l2_sync import SyncL2, object_key
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(SHAPES[args.shape], generator=g).to(torch.bfloat16) for _ in range(args.chunks)]
+    raw = [t.view(torch.uint8).reshape(-1).numpy().data for t in data]
+    nbytes = sum(t.nbytes for t in data)
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-breakdown-"))
+    (root / "plain").mkdir(parents=True, exist_ok=True)
+    loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
+    n = len(data)
+    mem = Tier.open(f"mem://breakdown-{os.getpid()}?capacity={2 * nbytes + (64 << 20)}&preallocate=true")
+    disk = Tier.open(f"file://{root / 'tier'}?fsync=false")
+    store = TieredStore.from_urls([f"file://{root / 'store'}?fsync=false"])
+    adapter = build_adapter(kvstore_spec([f"file://{root / 'l2'}?fsync=false"]))
+    l2 = SyncL2(adapter, timeout_s=300)
+    seq = iter(range(1 << 40))
+    cleanup: list[Callable[[], None]] = []  # what a stage wrote, deleted after its timing
+
+    def write_files() -> None:
+        for i, b in enumerate(raw):
+            tmp, final = root / "plain" / f".{i}.tmp", root / "plain" / f"{i}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                view = memoryview(b)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+
+    def crc() -> None:
+        for b in raw:
+            checksum.crc32c(b)
+
+    def crc_write() -> None:
+        crc()
+        write_files()
+
+    def tier_put(tier: Tier) -> Callable[[], None]:
+        def go() -> None:
+            r = next(seq)
+            names = [f"breakdown/r{r}-{i}" for i in range(n)]
+            assert all(run(tier.put_many(list(zip(names, data))))), "tier put failed"
+            if tier is disk:
+                cleanup.append(lambda: run(tier.backend.delete_many(names)) and None)
+
+        return go
+
+    def store_put() -> None:
+        r = next(seq)
+        names = [f"breakdown/r{r}-{i}" for i in range(n)]
+        assert all(run(store.put_many(list(zip(names, data))))), "store put failed"
+        cleanup.append(lambda: run(store.delete_many(names)) and None)
+
+    def adapter_put() -> None:
+        r = next(seq)
+        keys = [object_key(r * n + i) for i in range(n)]
+        assert l2.store(keys, data), "adapter store failed"
+
+    stages: list[tuple[str, Callable[[], None]]] = [
+        ("write", write_files),
+        ("crc", crc),
+        ("crc+write", crc_write),
+        ("mem tier", tier_put(mem)),
+        ("disk tier", tier_put(disk)),
+        ("store", store_put),
+        ("L2 adapter", adapter_put),
+    ]
+    rates: dict[str, list[float]] = {name: [] for name, _ in stages}
+    cpu: dict[str, list[float]] = {name: [] for name, _ in stages}
+    try:
+        for _, fn in stages:  # warm: first-call paths, the arena's first fill
+            fn()
+            while cleanup:
+                cleanup.pop()()
+        for r in range(args.rounds):
+            order = stages[r % len(stages) :] + stages[: r % len(stages)]
+            for name, fn in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                rates[name].append(nbytes / GB / (time.perf_counter() - t0))
+                cpu[name].append(time.process_time() - c0)
+                while cleanup:
+                    cleanup.pop()()
+    finally:
+        adapter.close()  # type: ignore[attr-defined]
+        run(store.close())
+        loop.close()
+        shutil.rmtree(root, ignore_errors=True)
+    report(args, data, stages, rates, cpu, "stores, no fsync")
 
 
 if __name__ == "__main__":
