@@ -1,7 +1,7 @@
 """The write path of a TieredStore: the caller's data into the tiers the engine chose.
 
-Owns: `Writer`: framing each tensor once for the top tier (and again only for a tier
-whose codec differs), namespace quotas, asking the engine where each object goes (with
+Owns: `Writer`: framing each tensor once for the top tier (large ones on worker
+threads; again only for a tier whose codec differs), namespace quotas, asking the engine where each object goes (with
 its place in a prefix chain), sending a name the same plan evicts again straight to
 where the plan leaves it, then writing one batch per tier in the foreground under
 the tier's guard (after the demotions out of a full tier have made room, see
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import namespace_of
 from kvstore.policy import NO_META, ChunkMeta, Copy, Drop, Move, Write
+from kvstore.tier import OFFLOAD_BYTES
 from kvstore.tiered.inflight import Ticket
 from kvstore.tiered.moves import Mover
 from kvstore.tiered.parts import Parts
@@ -46,17 +47,8 @@ class Writer:
         now: float,
     ) -> list[bool]:
         p = self.p
-        top = p.tiers[0]
         results = [False] * len(items)
-        frames: list[list[memoryview] | None] = []
-        for name, tensor in items:
-            try:
-                check_object_name(name)
-            except InvalidKeyError:
-                log.warning("kvstore: refusing to store invalid object name %r", name)
-                frames.append(None)
-                continue
-            frames.append(top.encode(tensor, name, layout))
+        frames = await self._frames(items, layout)
 
         # decide everything first (synchronously: no other task sees a half-made plan)
         protected = p.inflight
@@ -114,6 +106,34 @@ class Writer:
                 p.book.discard(name)
         p.update_gauges()
         return results
+
+    async def _frames(
+        self, items: Sequence[tuple[str, torch.Tensor]], layout: str
+    ) -> list[list[memoryview] | None]:
+        """Each item framed for the top tier (None: an invalid name).  Large tensors are
+        framed on worker threads, all at once (the checksum and codecs release the GIL):
+        the event loop goes on serving other reads and writes meanwhile, and a batch's
+        checksums run on every core instead of one after another on the loop's."""
+        top = self.p.tiers[0]
+        frames: list[list[memoryview] | None] = [None] * len(items)
+        large: list[int] = []
+        for i, (name, tensor) in enumerate(items):
+            try:
+                check_object_name(name)
+            except InvalidKeyError:
+                log.warning("kvstore: refusing to store invalid object name %r", name)
+                continue
+            if tensor.nbytes >= OFFLOAD_BYTES:
+                large.append(i)
+            else:
+                frames[i] = top.encode(tensor, name, layout)
+        if large:
+            framed = await asyncio.gather(
+                *(asyncio.to_thread(top.encode, items[i][1], items[i][0], layout) for i in large)
+            )
+            for i, parts in zip(large, framed):
+                frames[i] = parts
+        return frames
 
     def _shortest_way(
         self, writes: list[tuple[int, Write]], moves: list[Move]

@@ -226,3 +226,27 @@ def test_from_urls_reads_store_options_and_capacity_is_the_mediums(tmp_path) -> 
         TieredStore.from_urls(["mem://?policy=fifo"])
     with pytest.raises(ValueError, match="belady"):
         TieredStore.from_urls(["mem://?policy=belady"])
+
+
+async def test_large_chunks_are_framed_off_the_event_loop_and_round_trip() -> None:
+    import threading
+
+    store = TieredStore.from_urls(["mem://"])
+    top = store.tiers[0]
+    framed_on: list[str] = []
+    plain = top.encode
+
+    def encode(tensor: torch.Tensor, name: str, layout: str = "raw") -> list[memoryview]:
+        framed_on.append(threading.current_thread().name)
+        return plain(tensor, name, layout)
+
+    top.encode = encode  # type: ignore[method-assign]
+    big = [torch.arange(1 << 19, dtype=torch.float32) + i for i in range(3)]  # 2 MiB each
+    small = torch.arange(16, dtype=torch.float32)
+    items = [(name(i), t) for i, t in enumerate(big)] + [(name(9), small)]
+    assert await store.put_many(items) == [True] * 4
+    loop_thread = threading.current_thread().name
+    assert framed_on.count(loop_thread) == 1  # only the small one on the loop
+    got = await store.get_many([n for n, _ in items])
+    assert all(g is not None and torch.equal(g, t) for g, (_, t) in zip(got, items))
+    await store.close()
