@@ -69,6 +69,7 @@ SHAPES = {
     "smollm2": (2, 30, 256, 3 * 64),
 }
 GB = 1e9
+Stage = tuple[str, Callable[[], None]]  # a name, and one timed run of it
 
 
 def spread(xs: list[float]) -> str:
@@ -172,7 +173,7 @@ def main() -> None:
         assert all(got), "adapter load missed"
         l2.unlock(keys)
 
-    stages: list[tuple[str, Callable[[], None]]] = [
+    stages: list[Stage] = [
         ("copy", copy),
         ("copy+crc", copy_crc),
         ("preadv", preadv),
@@ -182,22 +183,16 @@ def main() -> None:
         ("store", store_get),
         ("L2 adapter", adapter_get),
     ]
-    rates: dict[str, list[float]] = {name: [] for name, _ in stages}
-    cpu: dict[str, list[float]] = {name: [] for name, _ in stages}  # CPU seconds, all threads
-    try:
-        for _, fn in stages:  # warm: page cache, numba, first-call paths
-            fn()
-        for r in range(args.rounds):
-            order = stages[r % len(stages) :] + stages[: r % len(stages)]
-            for name, fn in order:
-                for d in dst:
-                    d.zero_()
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                rates[name].append(nbytes / GB / (time.perf_counter() - t0))
-                cpu[name].append(time.process_time() - c0)
-                if r == 0 and name != "preadv" and name != "preadv+crc":
-                    assert all(torch.equal(a, b) for a, b in zip(data, dst)), f"{name}: bytes differ"
+    def clear(_name: str) -> None:
+        for d in dst:
+            d.zero_()
+
+    def check(name: str, r: int) -> None:
+        if r == 0 and name not in ("preadv", "preadv+crc"):
+            assert all(torch.equal(a, b) for a, b in zip(data, dst)), f"{name}: bytes differ"
+
+    try:  # warm-up: page cache, numba, first-call paths
+        rates, cpu = time_stages(stages, args.rounds, nbytes, before=clear, after=check)
     finally:
         adapter.close()  # type: ignore[attr-defined]
         run(store.close())
@@ -205,6 +200,34 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     report(args, data, stages, rates, cpu, "page-cache warm")
+
+def time_stages(
+    stages: list[Stage],
+    rounds: int,
+    nbytes: int,
+    *,
+    before: Callable[[str], None] | None = None,
+    after: Callable[[str, int], None] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each stage run once untimed (round -1), then `rounds` interleaved rounds (the order
+    rotates each round); per stage, GB/s and CPU seconds (all threads) of each round.
+    `before(name)` and `after(name, round)` run untimed around every run."""
+    rates: dict[str, list[float]] = {name: [] for name, _ in stages}
+    cpu: dict[str, list[float]] = {name: [] for name, _ in stages}
+    for r in range(-1, rounds):
+        k = max(r, 0) % len(stages)
+        for name, fn in stages[k:] + stages[:k]:
+            if before is not None:
+                before(name)
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            if r >= 0:
+                rates[name].append(nbytes / GB / (time.perf_counter() - t0))
+                cpu[name].append(time.process_time() - c0)
+            if after is not None:
+                after(name, r)
+    return rates, cpu
+
 
 def report(args, data, stages, rates, cpu, what: str) -> None:  # type: ignore[no-untyped-def]
     from kvstore import checksum
@@ -291,7 +314,7 @@ def stores(args) -> None:  # type: ignore[no-untyped-def]
         keys = [object_key(r * n + i) for i in range(n)]
         assert l2.store(keys, data), "adapter store failed"
 
-    stages: list[tuple[str, Callable[[], None]]] = [
+    stages: list[Stage] = [
         ("write", write_files),
         ("crc", crc),
         ("crc+write", crc_write),
@@ -300,22 +323,12 @@ def stores(args) -> None:  # type: ignore[no-untyped-def]
         ("store", store_put),
         ("L2 adapter", adapter_put),
     ]
-    rates: dict[str, list[float]] = {name: [] for name, _ in stages}
-    cpu: dict[str, list[float]] = {name: [] for name, _ in stages}
-    try:
-        for _, fn in stages:  # warm: first-call paths, the arena's first fill
-            fn()
-            while cleanup:
-                cleanup.pop()()
-        for r in range(args.rounds):
-            order = stages[r % len(stages) :] + stages[: r % len(stages)]
-            for name, fn in order:
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                rates[name].append(nbytes / GB / (time.perf_counter() - t0))
-                cpu[name].append(time.process_time() - c0)
-                while cleanup:
-                    cleanup.pop()()
+    def clean_up(_name: str, _round: int) -> None:
+        while cleanup:
+            cleanup.pop()()
+
+    try:  # warm-up: first-call paths, the arena's first fill
+        rates, cpu = time_stages(stages, args.rounds, nbytes, after=clean_up)
     finally:
         adapter.close()  # type: ignore[attr-defined]
         run(store.close())
