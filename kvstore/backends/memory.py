@@ -62,7 +62,6 @@ class _Space:
     objects: OrderedDict[str, _Object] = field(default_factory=OrderedDict)  # LRU first
     used: int = 0
     arena: Arena | None = None
-    preallocated: bool = False
     # a named space may be shared by stores on different event loops (threads)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -86,7 +85,6 @@ class MemoryBackend(Backend):
             if capacity is not None and space.arena is None:  # the first bounded opener's size
                 try:
                     space.arena = Arena(capacity, populate=preallocate)
-                    space.preallocated = preallocate
                 except OSError as exc:
                     if preallocate:
                         raise BackendUnavailableError(
@@ -97,7 +95,7 @@ class MemoryBackend(Backend):
                         "kvstore: %s: no arena (%s); objects kept in plain bytes", redact_url(url), exc
                     )
             elif space.arena is not None and (
-                (preallocate and not space.preallocated) or (capacity or 0) > space.arena.capacity
+                (preallocate and not space.arena.populated) or (capacity or 0) > space.arena.capacity
             ):
                 log.warning(
                     "kvstore: %s: %r was opened earlier in this process with a smaller capacity or without "
@@ -246,7 +244,7 @@ class MemoryBackend(Backend):
                     "arena_bytes": arena.capacity,
                     "arena_taken_bytes": arena.taken,
                     "arena_retired_bytes": arena.retired_bytes,  # dropped, still viewed by a reader
-                    "preallocated": space.preallocated,
+                    "preallocated": arena.populated,
                 }
             )
             return BackendStats(

@@ -93,6 +93,7 @@ class Arena:
         else:
             flags |= _NORESERVE
         self._map = mmap.mmap(-1, self.capacity, flags=flags)
+        self.populated = populate
         self._starts: list[int] = [0]  # free extents, sorted by offset
         self._lengths: dict[int, int] = {0: self.capacity}
         self._retired: list[Region] = []
@@ -108,20 +109,18 @@ class Arena:
         need = max(PAGE, -(-size // PAGE) * PAGE)
         if need > self.capacity:
             return None
-        for attempt in range(2):
-            for i, start in enumerate(self._starts):
-                have = self._lengths[start]
-                if have >= need:
-                    del self._starts[i]
-                    del self._lengths[start]
-                    if have > need:
-                        self._starts.insert(i, start + need)
-                        self._lengths[start + need] = have - need
-                    self.taken += need
-                    exporter = (ctypes.c_ubyte * need).from_buffer(self._map, start)
-                    return Region(start, need, exporter)
-            if attempt == 0 and not self.reclaim():
-                break
+        if self._retired:
+            self.reclaim()  # regions whose last view has gone since they were freed
+        for i, start in enumerate(self._starts):
+            have = self._lengths[start]
+            if have >= need:
+                del self._starts[i]
+                del self._lengths[start]
+                if have > need:
+                    self._starts.insert(i, start + need)
+                    self._lengths[start + need] = have - need
+                self.taken += need
+                return Region(start, need, (ctypes.c_ubyte * need).from_buffer(self._map, start))
         return None
 
     def free(self, region: Region) -> None:
