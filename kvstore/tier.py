@@ -121,6 +121,14 @@ class Tier:
         """`tensor` as this tier's frame of object `name` (the parts a backend writes)."""
         return self.codec.frame_parts(tensor, key=name, layout=layout)
 
+    async def encode_off_loop(self, tensor: torch.Tensor, name: str, layout: str = "raw") -> list[memoryview]:
+        """`encode`, on a worker thread for a tensor of `OFFLOAD_BYTES` or more (the
+        checksum and codecs release the GIL: the loop goes on, and several such calls
+        run on several cores); a small one at once, on the loop."""
+        if tensor.nbytes < OFFLOAD_BYTES:
+            return self.encode(tensor, name, layout)
+        return await asyncio.to_thread(self.encode, tensor, name, layout)
+
     def same_codec(self, other: Tier) -> bool:
         """Whether frames `other` encodes are what this tier would encode."""
         return self.codec is other.codec or self.codec.name == other.codec.name
@@ -147,7 +155,8 @@ class Tier:
                 ok[i] = r
 
         async def put_large(i: int) -> None:
-            (ok[i],) = await self.put_frames([await asyncio.to_thread(frame, i)])
+            name, tensor = items[i]
+            (ok[i],) = await self.put_frames([(name, await self.encode_off_loop(tensor, name, layout))])
 
         await asyncio.gather(*([put_small()] if small else []), *(put_large(i) for i in large))
         return ok

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import namespace_of
 from kvstore.policy import NO_META, ChunkMeta, Copy, Drop, Move, Write
-from kvstore.tier import OFFLOAD_BYTES
 from kvstore.tiered.inflight import Ticket
 from kvstore.tiered.moves import Mover
 from kvstore.tiered.parts import Parts
@@ -110,30 +109,21 @@ class Writer:
     async def _frames(
         self, items: Sequence[tuple[str, torch.Tensor]], layout: str
     ) -> list[list[memoryview] | None]:
-        """Each item framed for the top tier (None: an invalid name).  Large tensors are
-        framed on worker threads, all at once (the checksum and codecs release the GIL):
-        the event loop goes on serving other reads and writes meanwhile, and a batch's
-        checksums run on every core instead of one after another on the loop's."""
+        """Each item framed for the top tier (None: an invalid name), large ones on worker
+        threads, all at once (`Tier.encode_off_loop`): the event loop goes on serving
+        other reads and writes meanwhile, and a batch's checksums run on every core
+        instead of one after another on the loop's."""
         top = self.p.tiers[0]
-        frames: list[list[memoryview] | None] = [None] * len(items)
-        large: list[int] = []
-        for i, (name, tensor) in enumerate(items):
+
+        async def frame(name: str, tensor: torch.Tensor) -> list[memoryview] | None:
             try:
                 check_object_name(name)
             except InvalidKeyError:
                 log.warning("kvstore: refusing to store invalid object name %r", name)
-                continue
-            if tensor.nbytes >= OFFLOAD_BYTES:
-                large.append(i)
-            else:
-                frames[i] = top.encode(tensor, name, layout)
-        if large:
-            framed = await asyncio.gather(
-                *(asyncio.to_thread(top.encode, items[i][1], items[i][0], layout) for i in large)
-            )
-            for i, parts in zip(large, framed):
-                frames[i] = parts
-        return frames
+                return None
+            return await top.encode_off_loop(tensor, name, layout)
+
+        return list(await asyncio.gather(*(frame(name, tensor) for name, tensor in items)))
 
     def _shortest_way(
         self, writes: list[tuple[int, Write]], moves: list[Move]
