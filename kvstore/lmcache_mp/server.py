@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -33,6 +34,10 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 class MPServerError(RuntimeError):
     """The server did not start, or died; the message ends with the tail of its log."""
+
+
+class _HungStart(MPServerError):
+    """A start that was not ready in time (retried once by `MPServer.start`)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -158,6 +163,7 @@ class MPServer:
         env = dict(os.environ)
         env.setdefault("LMCACHE_TRACK_USAGE", "false")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT on a hung start dumps every thread's stack
         paths = [str(_REPO_ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.update(self.env)
@@ -174,22 +180,35 @@ class MPServer:
         status module the answer names the server's pid, so another server on the same
         port is not taken for this one; without it the request is LMCache's ``noop``.
         Raises `MPServerError`, with the tail of the log, if the process exits or is not
-        ready within ``start_timeout`` seconds (it is killed then).  With an
+        ready within ``start_timeout`` seconds.  A process that is not ready in time is
+        sent SIGABRT first, so Python's fault handler writes every thread's stack to
+        the log (where it hung), then killed; one such hung start is retried with a new
+        process, with a `RuntimeWarning` that carries the stacks.  With an
         automatically chosen port, a start that loses its port to another process
         retries on a new one.
         """
         if self.running:
             raise MPServerError(f"server already running (pid {self.pid})")
-        for attempt in range(3):
+        hung = 0
+        for attempt in range(4):
             try:
                 self._spawn_and_wait()
                 return self
+            except _HungStart as exc:
+                hung += 1
+                if hung > 1:
+                    raise MPServerError(str(exc)) from None
+                warnings.warn(
+                    f"MP server start hung; retrying once with a new process.\n{exc}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             except MPServerError as exc:
                 lost_port = "Address already in use" in str(exc)
-                if not lost_port or self._fixed_port or attempt == 2:
+                if not lost_port or self._fixed_port or attempt == 3:
                     raise
                 self.port = free_port(self.host)
-        raise AssertionError("unreachable")
+        raise MPServerError(f"MP server did not start in {attempt + 1} attempts\n{self.log_tail()}")
 
     def _spawn_and_wait(self) -> None:
         from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
@@ -222,9 +241,10 @@ class MPServer:
                     code = self._reap()
                     raise MPServerError(f"MP server exited with code {code} during start\n{self.log_tail()}")
                 if time.monotonic() > deadline:
+                    self._dump_stacks()
                     self.kill()
-                    raise MPServerError(
-                        f"MP server not ready after {self.start_timeout:.0f}s\n{self.log_tail()}"
+                    raise _HungStart(
+                        f"MP server not ready after {self.start_timeout:.0f}s\n{self.log_tail(120)}"
                     )
         finally:
             probe.close()
@@ -243,6 +263,16 @@ class MPServer:
             return bool(answer == "OK")
         assert self._proc is not None
         return bool(answer.success) and json.loads(answer.payload).get("pid") == self._proc.pid
+
+    def _dump_stacks(self) -> None:
+        """SIGABRT the server (not its group): with ``PYTHONFAULTHANDLER`` set, Python
+        writes every thread's stack to the log before it dies."""
+        assert self._proc is not None
+        try:
+            self._proc.send_signal(signal.SIGABRT)
+        except ProcessLookupError:
+            return
+        self._wait(5.0)
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGTERM (a clean shutdown), then SIGKILL after ``timeout`` seconds.

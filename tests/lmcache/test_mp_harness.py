@@ -3,7 +3,8 @@
 LMCache's own ``fs`` L2 adapter underneath, in a temp directory: round trip of three
 chunks, a partial prefix hit, L1 cleared and the chunks read back from L2, a SIGKILL
 and restart that finds the chunks through L2,
-the shared-memory transfer path, and a start failure that reports the server log.
+the shared-memory transfer path, a start failure that reports the server log, and a hung
+start that leaves its stacks in the log and is retried once.
 """
 
 from __future__ import annotations
@@ -177,3 +178,46 @@ def test_port_held_by_another_server_is_not_taken_for_ready(
     with pytest.raises(MPServerError, match="Address already in use"):
         clash.start()  # the running server answers the probe, but with its own pid
     assert not clash.running and running.running
+
+
+def _hanging_python(tmp_path: Path) -> str:
+    """A `python` for MPServer whose process never gets to serving: it sleeps."""
+    import sys
+
+    script = tmp_path / "python"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import time; time.sleep(600)'\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+def test_hung_start_dumps_stacks_retries_once_then_fails(tmp_path: Path) -> None:
+    server = MPServer([], python=_hanging_python(tmp_path), log_path=tmp_path / "server.log", start_timeout=3)
+    with (
+        pytest.warns(RuntimeWarning, match="hung; retrying once") as caught,
+        pytest.raises(MPServerError, match="not ready after 3s") as err,
+    ):
+        server.start()
+    assert len([w for w in caught if "hung; retrying" in str(w.message)]) == 1  # one retry, not more
+    assert not server.running
+    log = (tmp_path / "server.log").read_text()
+    assert log.count("=== start") == 2
+    # Python's fault handler wrote where each process was stuck before it was killed.
+    assert log.count("Fatal Python error: Aborted") == 2
+    assert 'File "<string>", line 1' in log and "line 1" in str(err.value)
+
+
+def test_a_hung_start_is_retried_with_a_new_process(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstore.lmcache_mp import server as server_mod
+
+    server = MPServer([], log_path=tmp_path / "server.log")
+    calls: list[int] = []
+
+    def spawn() -> None:
+        calls.append(server.port)
+        if len(calls) == 1:
+            raise server_mod._HungStart("MP server not ready after 1s")
+
+    monkeypatch.setattr(server, "_spawn_and_wait", spawn)
+    with pytest.warns(RuntimeWarning, match="not ready after 1s"):
+        assert server.start() is server
+    assert len(calls) == 2
