@@ -43,8 +43,18 @@ a round wrote is deleted after it, untimed):
     L2 adapter  kvstore's MP-mode adapter store driven as LMCache's server drives it,
                 over the same kind of store
 
+With ``--stores --redis``, stores into a ``redis-server`` the script starts (``FLUSHALL``
+after every stage, untimed; at most 4 values in flight everywhere, kvstore's default):
+
+    redis-py    plain redis-py asyncio ``SET`` of each chunk's bytes (the baseline)
+    raw SET     kvstore's own wire path (`RespStreams.stream_set`), no frame
+    crc         as above
+    redis tier  ``Tier(redis://).put_many``: frame (CRC32C), streamed SET
+    store       ``TieredStore([redis://]).put_many``
+    L2 adapter  the MP-mode adapter over that store
+
 Usage:
-    python benchmarks/bench_breakdown.py [--rounds 7] [--chunks 8] [--shape smollm2] [--dir DIR] [--stores]
+    python benchmarks/bench_breakdown.py [--rounds 7] [--chunks 8] [--shape smollm2] [--dir DIR] [--stores [--redis]]
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -83,8 +94,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--dir", default=None, help="where the files go (default: a temp dir)")
     p.add_argument("--stores", action="store_true", help="break down stores instead of loads")
+    p.add_argument("--redis", action="store_true", help="with --stores: into a local redis-server")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.stores and args.redis:
+        redis_stores(args)
+        return
     if args.stores:
         stores(args)
         return
@@ -183,6 +198,7 @@ def main() -> None:
         ("store", store_get),
         ("L2 adapter", adapter_get),
     ]
+
     def clear(_name: str) -> None:
         for d in dst:
             d.zero_()
@@ -200,6 +216,7 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     report(args, data, stages, rates, cpu, "page-cache warm")
+
 
 def time_stages(
     stages: list[Stage],
@@ -235,7 +252,9 @@ def report(args, data, stages, rates, cpu, what: str) -> None:  # type: ignore[n
     nbytes = sum(t.nbytes for t in data)
     chunk_mib = data[0].nbytes / (1 << 20)
     kernel = f"{checksum.vector_bits()}-bit kernels" if checksum.fast() else "the crc32c package"
-    print(f"{len(data)} chunks of {chunk_mib:.1f} MiB ({args.shape}), {args.rounds} rounds, {what}; CRC32C by {kernel}")
+    print(
+        f"{len(data)} chunks of {chunk_mib:.1f} MiB ({args.shape}), {args.rounds} rounds, {what}; CRC32C by {kernel}"
+    )
     print(
         "| stage | GB/s min / median / max | ms per chunk (median) | + over the stage above | CPU ms per chunk |"
     )
@@ -323,6 +342,7 @@ def stores(args) -> None:  # type: ignore[no-untyped-def]
         ("store", store_put),
         ("L2 adapter", adapter_put),
     ]
+
     def clean_up(_name: str, _round: int) -> None:
         while cleanup:
             cleanup.pop()()
@@ -335,6 +355,97 @@ def stores(args) -> None:  # type: ignore[no-untyped-def]
         loop.close()
         shutil.rmtree(root, ignore_errors=True)
     report(args, data, stages, rates, cpu, "stores, no fsync")
+
+
+def redis_stores(args) -> None:  # type: ignore[no-untyped-def]
+    import redis.asyncio as aioredis
+
+    from benchmarks.bench_l2 import build_adapter, kvstore_spec
+    from kvstore import checksum
+    from kvstore.backends.redis_stream import Address, RespStreams
+    from kvstore.testing.redis_server import RedisServer
+    from kvstore.tier import Tier
+    from kvstore.tiered import TieredStore
+    from kvstore_lmcache.l2_sync import SyncL2, object_key
+
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(SHAPES[args.shape], generator=g).to(torch.bfloat16) for _ in range(args.chunks)]
+    raw = [t.view(torch.uint8).reshape(-1).numpy().data for t in data]
+    nbytes = sum(t.nbytes for t in data)
+    n = len(data)
+    inflight = 4
+    loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
+    with RedisServer() as server:
+        plain = aioredis.Redis(host=server.host, port=server.port, max_connections=inflight)
+        streams = RespStreams(Address(host=server.host, port=server.port), size=inflight)
+        tier = Tier.open(server.url)
+        store = TieredStore.from_urls([server.url])
+        adapter = build_adapter(kvstore_spec([server.url]))
+        l2 = SyncL2(adapter, timeout_s=300)
+        seq = iter(range(1 << 40))
+
+        async def limited(calls: list[Callable[[], Any]]) -> list[Any]:
+            sem = asyncio.Semaphore(inflight)
+
+            async def one(call: Callable[[], Any]) -> Any:
+                async with sem:
+                    return await call()
+
+            return await asyncio.gather(*(one(c) for c in calls))
+
+        def names() -> list[str]:
+            r = next(seq)
+            return [f"breakdown/r{r}-{i}" for i in range(n)]
+
+        def redis_py() -> None:
+            ks = names()
+            assert all(run(limited([lambda k=k, b=b: plain.set(k, b) for k, b in zip(ks, raw)])))
+
+        def raw_set() -> None:
+            ks = names()
+            calls = [
+                lambda k=k, b=b: streams.stream_set(k.encode(), [memoryview(b)], None)
+                for k, b in zip(ks, raw)
+            ]
+            assert all(run(limited(calls)))
+
+        def crc() -> None:
+            for b in raw:
+                checksum.crc32c(b)
+
+        def tier_put() -> None:
+            assert all(run(tier.put_many(list(zip(names(), data))))), "tier put failed"
+
+        def store_put() -> None:
+            assert all(run(store.put_many(list(zip(names(), data))))), "store put failed"
+
+        def adapter_put() -> None:
+            r = next(seq)
+            assert l2.store([object_key(r * n + i) for i in range(n)], data), "adapter store failed"
+
+        stages: list[Stage] = [
+            ("redis-py", redis_py),
+            ("raw SET", raw_set),
+            ("crc", crc),
+            ("redis tier", tier_put),
+            ("store", store_put),
+            ("L2 adapter", adapter_put),
+        ]
+
+        def flush(_name: str, _round: int) -> None:
+            run(plain.flushall())
+
+        try:
+            rates, cpu = time_stages(stages, args.rounds, nbytes, after=flush)
+        finally:
+            adapter.close()  # type: ignore[attr-defined]
+            run(store.close())
+            run(tier.close())
+            run(plain.aclose())
+            streams.close()
+            loop.close()
+    report(args, data, stages, rates, cpu, f"stores into redis-server, {inflight} in flight")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -56,8 +57,10 @@ os.environ.setdefault("PYTHONHASHSEED", "0")
 
 import torch  # noqa: E402
 
+from kvstore.backends.memory_arena import available_memory  # noqa: E402
 from kvstore.demo.cpu_engine import build_cpu_engine  # noqa: E402
 from kvstore.demo.hf_connector import empty_kv  # noqa: E402
+from kvstore.options import parse_size  # noqa: E402
 
 PLUGIN = {
     "storage_plugin.kvstore.module_path": "kvstore_lmcache.storage_plugin",
@@ -121,7 +124,9 @@ def s3_configs(base: dict[str, str], s3, options: str = "") -> dict[str, dict[st
     try:
         socket.getaddrinfo(f"{S3_BUCKET}.localhost", s3.ports.s3)
     except OSError:
-        print(f"  (lmcache-s3 skipped: {S3_BUCKET}.localhost does not resolve; see the docstring)", flush=True)
+        print(
+            f"  (lmcache-s3 skipped: {S3_BUCKET}.localhost does not resolve; see the docstring)", flush=True
+        )
     else:
         out["lmcache-s3"] = {
             **base,
@@ -276,7 +281,9 @@ class Runner:
         got = int(eng.retrieve(tokens, kvcaches=self.out_kv, req_id=f"r{r}").sum()) if hit else 0
         lt = time.perf_counter() - t
         if r == 0:
-            if got != ntok or (self.args.connector != "none" and not torch.equal(self.out_kv[0][0], self.kv[0][0])):
+            if got != ntok or (
+                self.args.connector != "none" and not torch.equal(self.out_kv[0][0], self.kv[0][0])
+            ):
                 raise RuntimeError(f"{self.name}: retrieve returned {got}/{ntok} tokens or wrong bytes")
             return
         self.store_s.append(st)
@@ -331,6 +338,18 @@ def run_interleaved(envs: dict[str, dict[str, str]], args, kv) -> list[dict]:
     return [runner.result() for runner in runners]
 
 
+def memory_needed(envs: dict[str, dict[str, str]]) -> int:
+    """Bytes the engines of `envs` hold at once: LMCache's CPU pool of each (the plugins
+    allocate their reads from it) and kvstore's preallocated memory tiers."""
+    total = 0
+    for env in envs.values():
+        total += int(float(env.get("LMCACHE_MAX_LOCAL_CPU_SIZE", "0")) * (1 << 30))
+        for url in json.loads(env.get("LMCACHE_EXTRA_CONFIG", "{}")).get("kvstore.tiers", []):
+            if url.startswith("mem://") and "preallocate=true" in url:
+                total += parse_size(parse_qs(urlsplit(url).query)["capacity"][0]) or 0
+    return total
+
+
 def spread(xs: list[float]) -> str:
     return f"{min(xs):.2f} / {statistics.median(xs):.2f} / {max(xs):.2f}"
 
@@ -348,7 +367,9 @@ def main() -> None:
         default="contiguous",
         help="contiguous: copy to/from HF-layout KV tensors; none: no KV copies (storage path only)",
     )
-    ap.add_argument("--s3", action="store_true", help="also LMCache's S3 connector vs kvstore's S3 tier (SeaweedFS)")
+    ap.add_argument(
+        "--s3", action="store_true", help="also LMCache's S3 connector vs kvstore's S3 tier (SeaweedFS)"
+    )
     ap.add_argument(
         "--s3-options", default="", help="URL options of kvstore's s3:// tier, e.g. range_threshold=1GiB"
     )
@@ -378,7 +399,7 @@ def main() -> None:
         tempfile.TemporaryDirectory(dir=args.tmp) as d,
         redis_server() as redis_url,
         s3_server(args.s3) as s3,
-        (s3.credentials_env() if s3 is not None else contextlib.nullcontext()),
+        s3.credentials_env() if s3 is not None else contextlib.nullcontext(),
     ):
         envs = {
             name: env
@@ -386,6 +407,13 @@ def main() -> None:
             if not args.only or name in args.only
         }
         if args.interleave:
+            need, have = memory_needed(envs), available_memory()
+            if have is not None and need + (2 << 30) > have:
+                sys.exit(
+                    f"--interleave builds all {len(envs)} engines at once: their memory pools take"
+                    f" {need / 2**30:.1f} GiB, {have / 2**30:.1f} GiB is available (2 GiB kept for the"
+                    " rest); pick fewer with --only, or run without --interleave"
+                )
             results = run_interleaved(envs, args, kv)
         else:
             results = [run_config(name, env, args, kv) for name, env in envs.items()]
@@ -410,7 +438,11 @@ def main() -> None:
                 f"{r['config']:22s} store x{r['store_GBps'] / base['store_GBps']:.2f}"
                 f"   retrieve x{r['retrieve_GBps'] / base['retrieve_GBps']:.2f}"
             )
-    peers = [("kvstore-redis", "lmcache-redis"), ("kvstore-s3", "lmcache-s3"), ("kvstore-mem+disk", "lmcache-cpu+disk")]
+    peers = [
+        ("kvstore-redis", "lmcache-redis"),
+        ("kvstore-s3", "lmcache-s3"),
+        ("kvstore-mem+disk", "lmcache-cpu+disk"),
+    ]
     peers = [(k, lm) for k, lm in peers if k in by_name and lm in by_name]
     if peers:
         print("\nratios vs LMCache's connector of the same kind (same run):")
