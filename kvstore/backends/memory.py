@@ -17,6 +17,8 @@ same store wherever it is opened; ``mem://`` (no name) is private to its instanc
 
 from __future__ import annotations
 
+import asyncio
+import ctypes
 import logging
 import threading
 import time
@@ -25,6 +27,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 from urllib.parse import urlsplit
+
+import numpy as np
 
 from kvstore.backends.base import (
     MAX_OBJECT_OPTION,
@@ -44,6 +48,8 @@ from kvstore.options import option_bool, option_size, url_options
 
 log = logging.getLogger(__name__)
 
+COPY_OFF_LOOP = 1 << 20  # objects this large are copied in on a worker thread (without the GIL)
+
 
 @dataclass(slots=True)
 class _Object:
@@ -55,6 +61,48 @@ class _Object:
         """The object's bytes, read-only (a view of a region holds it: `memory_arena`)."""
         data = self.data
         return (data.view(self.size) if isinstance(data, Region) else memoryview(data)).toreadonly()
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """An object being put: room reserved, bytes not yet copied or visible."""
+
+    name: str
+    parts: list[memoryview]
+    size: int
+    arena: Arena | None  # the arena the region came from (None: the tier has none)
+    region: Region | None  # None: the bytes go to a ``bytes`` object instead
+    data: Union[bytes, Region, None] = None  # set once the bytes are in
+    error: Exception | None = None
+
+    def try_fill(self) -> None:
+        """`fill`, keeping its error instead of raising it (`_publish` reports it)."""
+        try:
+            self.fill()
+        except Exception as exc:
+            self.error = exc
+
+    def fill(self) -> None:
+        """Copy the parts in (a large copy without the GIL, so it may run on a worker
+        thread): into the region, else into a new ``bytes`` (``bytes.join`` releases
+        the GIL from 1 MiB)."""
+        region, parts = self.region, self.parts
+        if region is None:
+            self.data = (
+                parts[0].tobytes() if len(parts) == 1 and self.size < COPY_OFF_LOOP else b"".join(parts)
+            )
+            return
+        base = ctypes.addressof(region.exporter)
+        at = 0
+        with region.view(self.size) as view:
+            for part in parts:
+                n = part.nbytes
+                if n >= COPY_OFF_LOOP:  # ctypes calls release the GIL
+                    ctypes.memmove(base + at, np.frombuffer(part, dtype=np.uint8).ctypes.data, n)
+                elif n:
+                    view[at : at + n] = part
+                at += n
+        self.data = region
 
 
 @dataclass
@@ -117,49 +165,66 @@ class MemoryBackend(Backend):
         return backend
 
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
+        """Each object gets its room under the space's lock (evicting as needed), its
+        bytes are copied outside the lock (objects of `COPY_OFF_LOOP` and up on worker
+        threads, without the GIL, several at once), and it is published under the lock:
+        readers see it whole or not at all.  A caller that stops waiting (a deadline)
+        does not stop the copies: they finish and publish, so no room stays reserved."""
         with self._space.lock:
-            return self._put_many(items)
+            plans = [self._reserve(name, value) for name, value in items]
+        return await asyncio.shield(asyncio.ensure_future(self._copy_in(plans)))
 
-    def _put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
-        out = []
-        for name, value in items:
-            try:
-                check_object_name(name)
-            except InvalidKeyError:
-                self.counters.put_errors += 1
-                out.append(False)
-                continue
-            parts = as_parts(value)
-            size = sum(p.nbytes for p in parts)
-            if (self.capacity is not None and size > self.capacity) or self.too_large(name, size):
-                self.counters.rejected += 1
-                out.append(False)
-                continue
-            self._drop(name)
-            self._make_room(size)
-            data = self._copy(parts, size)
-            self._space.objects[name] = _Object(data, size, time.time())
-            self._space.used += size
-            self.counters.puts += 1
-            self.counters.put_bytes += size
-            out.append(True)
-        return out
+    async def _copy_in(self, plans: list[_Pending | None]) -> list[bool]:
+        todo = [p for p in plans if p is not None]
+        for p in todo:
+            if p.size < COPY_OFF_LOOP:
+                p.try_fill()
+        await asyncio.gather(*(asyncio.to_thread(p.try_fill) for p in todo if p.size >= COPY_OFF_LOOP))
+        with self._space.lock:
+            return [p is not None and self._publish(p) for p in plans]
 
-    def _copy(self, parts: list[memoryview], size: int) -> bytes | Region:
-        """The object's bytes in memory this tier owns: a region of the arena from
-        `ARENA_MIN` up, else (also when no free extent of the arena is long enough:
-        regions still viewed by readers of dropped objects, or split by mixed sizes)
-        ``bytes``; the capacity bounds both alike, and a put never waits on a reader."""
+    def _reserve(self, name: str, value: Value) -> _Pending | None:
+        """Room for `value` under `name`: an older object of that name dropped, least
+        recently used ones evicted, its size counted in ``used``; an arena region when
+        one is free.  Not visible until `_publish`.  None when it cannot be stored."""
+        try:
+            check_object_name(name)
+        except InvalidKeyError:
+            self.counters.put_errors += 1
+            return None
+        parts = as_parts(value)
+        size = sum(p.nbytes for p in parts)
+        if (self.capacity is not None and size > self.capacity) or self.too_large(name, size):
+            self.counters.rejected += 1
+            return None
+        self._drop(name)
+        self._make_room(size)
         arena = self._space.arena
         region = arena.alloc(size) if arena is not None and size >= ARENA_MIN else None
-        if region is None:
-            return parts[0].tobytes() if len(parts) == 1 else b"".join(parts)
-        with region.view(size) as view:
-            at = 0
-            for p in parts:
-                view[at : at + p.nbytes] = p
-                at += p.nbytes
-        return region
+        self._space.used += size
+        return _Pending(name, parts, size, arena, region)
+
+    def _publish(self, p: _Pending) -> bool:
+        """Make a filled object visible; a failed copy gives its room back instead."""
+        space = self._space
+        if p.arena is not space.arena:  # the tier was closed meanwhile
+            return False
+        if p.data is None:
+            log.warning(
+                "kvstore: %s: copying %s into memory failed: %s", redact_url(self.url), p.name, p.error
+            )
+            self._unreserve(p)
+            return False
+        self._drop(p.name)  # another put of the name, published while this one copied
+        space.objects[p.name] = _Object(p.data, p.size, time.time())
+        self.counters.puts += 1
+        self.counters.put_bytes += p.size
+        return True
+
+    def _unreserve(self, p: _Pending) -> None:
+        self._space.used -= p.size
+        if p.region is not None and p.arena is not None:
+            p.arena.free(p.region)
 
     def _drop(self, name: str) -> bool:
         old = self._space.objects.pop(name, None)

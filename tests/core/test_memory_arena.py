@@ -157,3 +157,122 @@ async def test_objects_that_fill_the_capacity_exactly_all_fit_in_the_arena() -> 
         assert await tier.put_many([(f"k{i}", bytes([i]) * size)]) == [True]
     kept = tier._space.objects
     assert len(kept) == 8 and all(isinstance(o.data, Region) for o in kept.values())
+
+
+# ------------------------------------------------------- large copies off the event loop
+
+
+async def test_large_objects_are_copied_off_the_loop_and_appear_whole(monkeypatch) -> None:
+    """A 4 MiB put copies on a worker thread: meanwhile the loop serves other calls, and
+    a reader never sees the object until all of its bytes are in."""
+    import asyncio
+    import threading
+
+    from kvstore.backends import memory
+
+    backend = MemoryBackend.from_url("mem://?capacity=64MiB")
+    payload = np.random.default_rng(1).integers(0, 256, 4 * MiB, dtype=np.uint8).tobytes()
+    small = b"s" * 1000
+    started, release = threading.Event(), threading.Event()
+    threads: dict[str, int] = {}
+    real_fill = memory._Pending.fill
+
+    def fill(self) -> None:  # type: ignore[no-untyped-def]
+        threads[self.name] = threading.get_ident()
+        if self.name == "t/big":
+            started.set()
+            assert release.wait(10)
+        real_fill(self)
+
+    monkeypatch.setattr(memory._Pending, "fill", fill)
+    put = asyncio.ensure_future(backend.put_many([("t/big", payload), ("t/small", small)]))
+    assert await asyncio.to_thread(started.wait, 10)
+    # the loop is free while the big copy runs, and the half-copied object is invisible
+    assert await backend.contains_many(["t/big"]) == [False]
+    assert (await backend.get_many(["t/big"]))[0] is None
+    release.set()
+    assert await put == [True, True]
+    assert threads["t/small"] == threading.get_ident() != threads["t/big"]
+    got = (await backend.get_many(["t/big"]))[0]
+    assert got is not None and bytes(got) == payload
+    assert backend.stats().bytes == len(payload) + len(small)
+
+
+async def test_a_failed_copy_is_a_failed_put_and_gives_its_room_back(monkeypatch) -> None:
+    from kvstore.backends import memory
+
+    backend = MemoryBackend.from_url("mem://?capacity=16MiB")
+    real_fill = memory._Pending.fill
+
+    def fill(self) -> None:  # type: ignore[no-untyped-def]
+        if self.name == "t/bad":
+            raise MemoryError("simulated")
+        real_fill(self)
+
+    monkeypatch.setattr(memory._Pending, "fill", fill)
+    good = b"g" * (2 * MiB)
+    assert await backend.put_many([("t/bad", b"b" * (2 * MiB)), ("t/good", good)]) == [False, True]
+    assert backend.stats().bytes == len(good) and backend.stats().objects == 1
+    assert (await backend.get_many(["t/bad"]))[0] is None
+    # the failed object's region went back: the tier still holds its full capacity
+    monkeypatch.setattr(memory._Pending, "fill", real_fill)
+    names = [f"t/fill{i}" for i in range(7)]
+    assert all(await backend.put_many([(n, b"x" * (2 * MiB)) for n in names]))
+    assert backend.stats().extra["arena_taken_bytes"] <= backend.stats().extra["arena_bytes"]
+    assert backend.stats().bytes == 8 * 2 * MiB
+
+
+async def test_closing_a_private_tier_while_it_copies_fails_that_put(monkeypatch) -> None:
+    import asyncio
+    import threading
+
+    from kvstore.backends import memory
+
+    backend = MemoryBackend.from_url("mem://?capacity=16MiB")
+    started, release = threading.Event(), threading.Event()
+    real_fill = memory._Pending.fill
+
+    def fill(self) -> None:  # type: ignore[no-untyped-def]
+        started.set()
+        assert release.wait(10)
+        real_fill(self)  # the region's view keeps its pages mapped: no fault after close
+
+    monkeypatch.setattr(memory._Pending, "fill", fill)
+    put = asyncio.ensure_future(backend.put_many([("t/big", b"z" * (4 * MiB))]))
+    assert await asyncio.to_thread(started.wait, 10)
+    await backend.close()
+    release.set()
+    assert await put == [False]
+    assert backend.stats().objects == 0 and backend.stats().bytes == 0
+
+
+async def test_a_put_whose_caller_stops_waiting_still_lands_whole(monkeypatch) -> None:
+    """A deadline cancels the caller, not the copy: the object is published when its
+    bytes are in, and its room is accounted for either way."""
+    import asyncio
+    import threading
+
+    from kvstore.backends import memory
+
+    backend = MemoryBackend.from_url("mem://?capacity=16MiB")
+    payload = bytes(range(256)) * (16 * 1024)  # 4 MiB
+    started, release = threading.Event(), threading.Event()
+    real_fill = memory._Pending.fill
+
+    def fill(self) -> None:  # type: ignore[no-untyped-def]
+        started.set()
+        assert release.wait(10)
+        real_fill(self)
+
+    monkeypatch.setattr(memory._Pending, "fill", fill)
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(backend.put_many([("t/late", payload)]), 0.2)
+    assert started.is_set() and (await backend.get_many(["t/late"]))[0] is None
+    release.set()
+    for _ in range(200):
+        got = (await backend.get_many(["t/late"]))[0]
+        if got is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert got is not None and bytes(got) == payload
+    assert backend.stats().bytes == len(payload) and backend.stats().objects == 1
