@@ -185,8 +185,11 @@ class MemoryBackend(Backend):
 
     def _reserve(self, name: str, value: Value) -> _Pending | None:
         """Room for `value` under `name`: an older object of that name dropped, least
-        recently used ones evicted, its size counted in ``used``; an arena region when
-        one is free.  Not visible until `_publish`.  None when it cannot be stored."""
+        recently used ones evicted, its size counted in ``used``; a region of the arena
+        from `ARENA_MIN` up, else (also when no free extent is long enough: regions still
+        viewed by readers of dropped objects, or split by mixed sizes) plain ``bytes``,
+        so a put never waits on a reader.  Not visible until `_publish`.  None when it
+        cannot be stored."""
         try:
             check_object_name(name)
         except InvalidKeyError:
