@@ -30,6 +30,7 @@ from typing import Any
 
 STATUS_MODULE = {"module_path": "kvstore.lmcache_mp.status_module", "factory_name": "build_server_modules"}
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+REPROBE_S = 2.0  # a readiness request unanswered this long is followed by another
 
 
 class MPServerError(RuntimeError):
@@ -230,13 +231,22 @@ class MPServer:
         deadline = time.monotonic() + self.start_timeout
         # A request sent now waits in ZMQ's queue until the server binds and answers it.
         probe = RequestClientFactory.create(self.url)
+        # A request that reaches the server while it is still setting up can go unanswered,
+        # so one with no answer after REPROBE_S is followed by another; any answer counts.
         try:
-            answer = self._probe(probe)
+            pending = [self._probe(probe)]
+            sent, seen = time.monotonic(), "none"
             while True:
-                if answer.wait(0.2):
-                    if self._answered_by_us(answer.result()):
+                pending[-1].wait(0.2)
+                for answer in [a for a in pending if a.query()]:
+                    pending.remove(answer)
+                    result = answer.result()
+                    if self._answered_by_us(result):
                         return
-                    answer = self._probe(probe)  # another process holds the port: wait for ours
+                    seen = repr(result)[:200]  # another process holds the port: wait for ours
+                if not pending or time.monotonic() - sent > REPROBE_S:
+                    pending.append(self._probe(probe))
+                    sent = time.monotonic()
                 if self._proc.poll() is not None:
                     code = self._reap()
                     raise MPServerError(f"MP server exited with code {code} during start\n{self.log_tail()}")
@@ -244,7 +254,8 @@ class MPServer:
                     self._dump_stacks()
                     self.kill()
                     raise _HungStart(
-                        f"MP server not ready after {self.start_timeout:.0f}s\n{self.log_tail(120)}"
+                        f"MP server not ready after {self.start_timeout:.0f}s (last answer to a readiness"
+                        f" request: {seen}; {len(pending)} unanswered)\n{self.log_tail(120)}"
                     )
         finally:
             probe.close()

@@ -221,3 +221,49 @@ def test_a_hung_start_is_retried_with_a_new_process(tmp_path: Path, monkeypatch:
     with pytest.warns(RuntimeWarning, match="not ready after 1s"):
         assert server.start() is server
     assert len(calls) == 2
+
+
+def test_an_unanswered_readiness_request_is_followed_by_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request the starting server drops must not leave the harness waiting for it
+    until the deadline: after REPROBE_S another is sent, and its answer counts."""
+    import json
+    import types
+
+    from kvstore.lmcache_mp import server as server_mod
+
+    class Future:
+        def __init__(self, result: object | None) -> None:
+            self._result = result
+
+        def wait(self, timeout: float | None = None) -> bool:
+            if self._result is None:
+                time.sleep(timeout or 0)
+            return self._result is not None
+
+        def query(self) -> bool:
+            return self._result is not None
+
+        def result(self) -> object:
+            return self._result
+
+    server = MPServer(
+        [], python=_hanging_python(tmp_path), log_path=tmp_path / "server.log", start_timeout=20
+    )
+    sent: list[float] = []
+
+    def probe(_client: object) -> Future:
+        sent.append(time.monotonic())
+        if len(sent) == 1:
+            return Future(None)  # lost: never answered
+        assert server.pid is not None
+        return Future(types.SimpleNamespace(success=True, payload=json.dumps({"pid": server.pid}).encode()))
+
+    monkeypatch.setattr(server_mod, "REPROBE_S", 0.3)
+    monkeypatch.setattr(server, "_probe", probe)
+    try:
+        assert server.start() is server
+        assert len(sent) == 2 and 0.3 <= sent[1] - sent[0] < 5
+    finally:
+        server.kill()
