@@ -177,7 +177,8 @@ class MPServer:
 
         Ready means this process answered a request sent at spawn and queued by ZMQ
         until the server's transport binds (it logs ``LMCache cache server is
-        running...`` then; the request does not depend on its log level).  With the
+        running...`` then; the request does not depend on its log level); while none is
+        answered, another is sent every `REPROBE_S` seconds.  With the
         status module the answer names the server's pid, so another server on the same
         port is not taken for this one; without it the request is LMCache's ``noop``.
         Raises `MPServerError`, with the tail of the log, if the process exits or is not
