@@ -66,7 +66,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from statistics import median
 from typing import Any
@@ -268,16 +268,44 @@ def report(args, data, stages, rates, cpu, what: str) -> None:  # type: ignore[n
         prev = ms
 
 
-def stores(args) -> None:  # type: ignore[no-untyped-def]
-    from benchmarks.bench_l2 import build_adapter, kvstore_spec
-    from kvstore import checksum
-    from kvstore.tier import Tier
-    from kvstore.tiered import TieredStore
-    from kvstore_lmcache.l2_sync import SyncL2, object_key
-
+def store_chunks(args) -> tuple[list[torch.Tensor], list[memoryview]]:  # type: ignore[no-untyped-def]
+    """The chunks a stores breakdown writes, and a byte view of each (no copy)."""
     g = torch.Generator().manual_seed(0)
     data = [torch.randn(SHAPES[args.shape], generator=g).to(torch.bfloat16) for _ in range(args.chunks)]
-    raw = [t.view(torch.uint8).reshape(-1).numpy().data for t in data]
+    return data, [t.view(torch.uint8).reshape(-1).numpy().data for t in data]
+
+
+def crc_stage(raw: list[memoryview]) -> Callable[[], None]:
+    """The ``crc`` stage: CRC32C over each chunk's bytes, what a frame's checksum costs."""
+    from kvstore import checksum
+
+    def crc() -> None:
+        for b in raw:
+            checksum.crc32c(b)
+
+    return crc
+
+
+def adapter_put_stage(l2: Any, data: list[torch.Tensor], seq: Iterator[int]) -> Callable[[], None]:
+    """The ``L2 adapter`` stage: one store task of all chunks under fresh keys."""
+    from kvstore_lmcache.l2_sync import object_key
+
+    n = len(data)
+
+    def adapter_put() -> None:
+        r = next(seq)
+        assert l2.store([object_key(r * n + i) for i in range(n)], data), "adapter store failed"
+
+    return adapter_put
+
+
+def stores(args) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks.bench_l2 import build_adapter, kvstore_spec
+    from kvstore.tier import Tier
+    from kvstore.tiered import TieredStore
+    from kvstore_lmcache.l2_sync import SyncL2
+
+    data, raw = store_chunks(args)
     nbytes = sum(t.nbytes for t in data)
     root = Path(args.dir or tempfile.mkdtemp(prefix="bench-breakdown-"))
     (root / "plain").mkdir(parents=True, exist_ok=True)
@@ -304,9 +332,7 @@ def stores(args) -> None:  # type: ignore[no-untyped-def]
                 os.close(fd)
             os.replace(tmp, final)
 
-    def crc() -> None:
-        for b in raw:
-            checksum.crc32c(b)
+    crc = crc_stage(raw)
 
     def crc_write() -> None:
         crc()
@@ -328,10 +354,7 @@ def stores(args) -> None:  # type: ignore[no-untyped-def]
         assert all(run(store.put_many(list(zip(names, data))))), "store put failed"
         cleanup.append(lambda: run(store.delete_many(names)) and None)
 
-    def adapter_put() -> None:
-        r = next(seq)
-        keys = [object_key(r * n + i) for i in range(n)]
-        assert l2.store(keys, data), "adapter store failed"
+    adapter_put = adapter_put_stage(l2, data, seq)
 
     stages: list[Stage] = [
         ("write", write_files),
@@ -361,16 +384,13 @@ def redis_stores(args) -> None:  # type: ignore[no-untyped-def]
     import redis.asyncio as aioredis
 
     from benchmarks.bench_l2 import build_adapter, kvstore_spec
-    from kvstore import checksum
     from kvstore.backends.redis_stream import Address, RespStreams
     from kvstore.testing.redis_server import RedisServer
     from kvstore.tier import Tier
     from kvstore.tiered import TieredStore
-    from kvstore_lmcache.l2_sync import SyncL2, object_key
+    from kvstore_lmcache.l2_sync import SyncL2
 
-    g = torch.Generator().manual_seed(0)
-    data = [torch.randn(SHAPES[args.shape], generator=g).to(torch.bfloat16) for _ in range(args.chunks)]
-    raw = [t.view(torch.uint8).reshape(-1).numpy().data for t in data]
+    data, raw = store_chunks(args)
     nbytes = sum(t.nbytes for t in data)
     n = len(data)
     inflight = 4
@@ -410,27 +430,19 @@ def redis_stores(args) -> None:  # type: ignore[no-untyped-def]
             ]
             assert all(run(limited(calls)))
 
-        def crc() -> None:
-            for b in raw:
-                checksum.crc32c(b)
-
         def tier_put() -> None:
             assert all(run(tier.put_many(list(zip(names(), data))))), "tier put failed"
 
         def store_put() -> None:
             assert all(run(store.put_many(list(zip(names(), data))))), "store put failed"
 
-        def adapter_put() -> None:
-            r = next(seq)
-            assert l2.store([object_key(r * n + i) for i in range(n)], data), "adapter store failed"
-
         stages: list[Stage] = [
             ("redis-py", redis_py),
             ("raw SET", raw_set),
-            ("crc", crc),
+            ("crc", crc_stage(raw)),
             ("redis tier", tier_put),
             ("store", store_put),
-            ("L2 adapter", adapter_put),
+            ("L2 adapter", adapter_put_stage(l2, data, seq)),
         ]
 
         def flush(_name: str, _round: int) -> None:
