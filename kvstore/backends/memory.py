@@ -83,14 +83,12 @@ class _Pending:
             self.error = exc
 
     def fill(self) -> None:
-        """Copy the parts in (a large copy without the GIL, so it may run on a worker
-        thread): into the region, else into a new ``bytes`` (``bytes.join`` releases
-        the GIL from 1 MiB)."""
+        """Copy the parts in: into the region (parts of `COPY_OFF_LOOP` and up by
+        ``ctypes.memmove``, which runs without the GIL, so a worker thread's copy leaves
+        the loop running), else into a new ``bytes``."""
         region, parts = self.region, self.parts
         if region is None:
-            self.data = (
-                parts[0].tobytes() if len(parts) == 1 and self.size < COPY_OFF_LOOP else b"".join(parts)
-            )
+            self.data = b"".join(parts)
             return
         base = ctypes.addressof(region.exporter)
         at = 0
@@ -172,14 +170,17 @@ class MemoryBackend(Backend):
         does not stop the copies: they finish and publish, so no room stays reserved."""
         with self._space.lock:
             plans = [self._reserve(name, value) for name, value in items]
-        return await asyncio.shield(asyncio.ensure_future(self._copy_in(plans)))
+        big = [p for p in plans if p is not None and p.size >= COPY_OFF_LOOP]
+        if not big:  # copied on the loop, nothing awaited: it cannot be left half done
+            return await self._copy_in(plans, big)
+        return await asyncio.shield(asyncio.ensure_future(self._copy_in(plans, big)))
 
-    async def _copy_in(self, plans: list[_Pending | None]) -> list[bool]:
-        todo = [p for p in plans if p is not None]
-        for p in todo:
-            if p.size < COPY_OFF_LOOP:
+    async def _copy_in(self, plans: list[_Pending | None], big: list[_Pending]) -> list[bool]:
+        for p in plans:
+            if p is not None and p.size < COPY_OFF_LOOP:
                 p.try_fill()
-        await asyncio.gather(*(asyncio.to_thread(p.try_fill) for p in todo if p.size >= COPY_OFF_LOOP))
+        if big:
+            await asyncio.gather(*(asyncio.to_thread(p.try_fill) for p in big))
         with self._space.lock:
             return [p is not None and self._publish(p) for p in plans]
 
