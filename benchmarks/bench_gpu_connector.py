@@ -10,8 +10,11 @@ attention).
     PYTHONPATH=$PWD python3 benchmarks/bench_gpu_connector.py            # CUDA if present
     PYTHONPATH=$PWD python3 benchmarks/bench_gpu_connector.py --device cpu --json out.json
 
-Each repeat times the baseline and the mode back to back; the reported ratio is the median
-of those per-pair ratios (robust to a busy machine); the absolute GB/s depend on the machine.
+Each repeat times the baseline and the mode back to back; the reported ratios are the
+min / median / max of those per-pair ratios (robust to a busy machine); the absolute GB/s
+depend on the machine. ``--pageable`` puts the memory objects in unpinned host memory, so
+CUDA copies go through the pinned staging pool. ``scripts/gpu_check.sh`` runs this for
+every layout together with the CUDA tests.
 """
 
 from __future__ import annotations
@@ -87,9 +90,9 @@ def _timed(fn: Callable[[], None], device: torch.device, repeats: int, warmup: i
     return statistics.median(_time_once(fn, device) for _ in range(repeats))
 
 
-def _paired(fn, base, device: torch.device, repeats: int, warmup: int = 2) -> tuple[float, float, float]:
+def _paired(fn, base, device: torch.device, repeats: int, warmup: int = 2) -> dict[str, float]:
     """Alternate ``base`` and ``fn`` so both see the same machine load; return the median
-    seconds of each and the median of the per-pair ratios ``base / fn``."""
+    seconds of each and the min / median / max of the per-pair ratios ``base / fn``."""
     for _ in range(warmup):
         base()
         fn()
@@ -98,11 +101,14 @@ def _paired(fn, base, device: torch.device, repeats: int, warmup: int = 2) -> tu
         tb = _time_once(base, device)
         tf = _time_once(fn, device)
         pairs.append((tb, tf))
-    return (
-        statistics.median(tf for _, tf in pairs),
-        statistics.median(tb for tb, _ in pairs),
-        statistics.median(tb / tf for tb, tf in pairs),
-    )
+    ratios = [tb / tf for tb, tf in pairs]
+    return {
+        "seconds": statistics.median(tf for _, tf in pairs),
+        "baseline_seconds": statistics.median(tb for tb, _ in pairs),
+        "ratio_min": min(ratios),
+        "ratio": statistics.median(ratios),
+        "ratio_max": max(ratios),
+    }
 
 
 def run(args) -> dict:
@@ -117,15 +123,21 @@ def run(args) -> dict:
     starts = [i * args.chunk_size for i in range(args.chunks)]
     ends = [s + args.chunk_size for s in starts]
 
-    whole = PagedKVConnector(caches)
-    layerwise = LayerwisePagedKVConnector(caches)
+    pin = cuda and not args.pageable  # LMCache's host pool is pinned; --pageable tests staging
+    row_copy = {"auto": None, "on": True, "off": False, "addresses": True}[args.row_copy]
+    if args.row_copy == "addresses":  # the row copy from per-row address tensors, not the fused kernel
+        from kvstore.gpu.direct import DirectCopier
+
+        DirectCopier.FUSED = False
+    whole = PagedKVConnector(caches, row_copy=row_copy)
+    layerwise = LayerwisePagedKVConnector(caches, row_copy=row_copy)
     mla = whole.use_mla
     chunk_objs = [
         _memobj(
             whole.get_shape(args.chunk_size),
             dtype,
             MemoryFormat.KV_MLA_FMT if mla else MemoryFormat.KV_2LTD,
-            cuda,
+            pin,
         )
         for _ in starts
     ]
@@ -135,7 +147,7 @@ def run(args) -> dict:
                 layerwise.get_shape(args.chunk_size),
                 dtype,
                 MemoryFormat.KV_MLA_FMT if mla else MemoryFormat.KV_T2D,
-                cuda,
+                pin,
             )
             for _ in starts
         ]
@@ -181,12 +193,11 @@ def run(args) -> dict:
         ("store_layerwise", store_layers, base_store),
         ("load_layerwise", load_layers, base_load),
     ):
-        t, tb, ratio = _paired(fn, base, device, args.repeats)
+        r = _paired(fn, base, device, args.repeats)
         results[name] = {
-            "seconds": t,
-            "GBps": nbytes / t / 1e9,
-            "baseline_GBps": nbytes / tb / 1e9,
-            "ratio": ratio,
+            **r,
+            "GBps": nbytes / r["seconds"] / 1e9,
+            "baseline_GBps": nbytes / r["baseline_seconds"] / 1e9,
         }
 
     # Check the figures describe a correct transfer.
@@ -197,6 +208,14 @@ def run(args) -> dict:
     from kvstore.gpu import PagedKVCache
 
     assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(caches).gather(slots))
+
+    if args.profile:
+        _profile(
+            {"load_layerwise": load_layers, "store_layerwise": store_layers, "store_whole_chunk": store_whole}
+        )
+        if cuda and whole._copier is not None:
+            for name, fn in (("store_whole_chunk", store_whole), ("load_whole_chunk", load_whole)):
+                _row_copy_breakdown(name, fn)
 
     overlap = (
         _overlap(args, device, caches, fresh, layerwise, layer_objs, starts, ends, slots) if cuda else None
@@ -209,9 +228,73 @@ def run(args) -> dict:
         "threads": torch.get_num_threads(),
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "bytes_per_pass": nbytes,
+        "row_copy": whole._copier is not None,
+        "fused": whole._copier is not None and whole._copier.fused,
         "results": results,
         "layerwise_overlap": overlap,
     }
+
+
+def _profile(modes: dict[str, Callable[[], None]], calls: int = 20, top: int = 10) -> None:
+    """Where the host time of each mode goes (cProfile, own time per function)."""
+    import cProfile
+    import io
+    import pstats
+
+    for name, fn in modes.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        lines = [ln for ln in out.getvalue().splitlines() if ln.strip()]
+        print(f"-- profile {name} ({calls} calls)")
+        print("\n".join(lines[2:]))
+
+
+def _row_copy_breakdown(name: str, fn: Callable[[], None], calls: int = 21) -> None:
+    """Split a whole-chunk call into host time before the row-copy launch, the launch
+    itself, the kernel (CUDA events) and the rest (waiting for it, returning)."""
+    import kvstore.gpu.direct as direct
+
+    real: dict[str, Callable[..., None]] = {
+        "copy_rows": direct.copy_rows,
+        "copy_paged_rows": direct.copy_paged_rows,
+    }
+    marks: list[tuple[float, float, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def timing(kernel: Callable[..., None]) -> Callable[..., None]:
+        def timed(*a, **kw) -> None:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            begin.record()
+            kernel(*a, **kw)
+            end.record()
+            marks.append((t0, time.perf_counter(), begin, end))
+
+        return timed
+
+    for attr, kernel in real.items():
+        setattr(direct, attr, timing(kernel))
+    try:
+        rows = []
+        for _ in range(calls):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            stop = time.perf_counter()
+            t0, t1, begin, end = marks[-1]
+            rows.append((stop - start, t0 - start, t1 - t0, begin.elapsed_time(end) / 1e3))
+    finally:
+        for attr, kernel in real.items():
+            setattr(direct, attr, kernel)
+    med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
+    print(
+        f"-- {name} breakdown (median of {calls}, ms): call {med[0]:.3f} = before launch {med[1]:.3f} "
+        f"+ launch {med[2]:.3f} + rest {med[0] - med[1] - med[2]:.3f}; kernel (events) {med[3]:.3f}"
+    )
 
 
 def _overlap(args, device, caches, fresh, layerwise, layer_objs, starts, ends, slots) -> dict:
@@ -296,6 +379,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--compute-dim", type=int, default=4096, help="matmul size standing in for attention (CUDA)"
     )
+    p.add_argument(
+        "--pageable",
+        action="store_true",
+        help="memory objects in ordinary (unpinned) host memory: copies go through the staging pool",
+    )
+    p.add_argument(
+        "--row-copy",
+        choices=["auto", "on", "off", "addresses"],
+        default="auto",
+        help="one-launch row copy (kvstore.gpu.direct): auto = whole chunks on CUDA with Triton; "
+        "on = layerwise too; off = gather + DMA; addresses = on, from per-row address tensors",
+    )
+    p.add_argument("--profile", action="store_true", help="print where the host time of three modes goes")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -304,11 +400,17 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     print(f"device: {report['device']}  torch {report['torch']}  threads {report['threads']}")
     print(
-        f"bytes per pass: {report['bytes_per_pass'] / 2**20:.1f} MiB ({args.chunks} chunks x {args.chunk_size} tokens)"
+        f"bytes per pass: {report['bytes_per_pass'] / 2**20:.1f} MiB ({args.chunks} chunks x {args.chunk_size} tokens), "
+        + (
+            ("one-launch row copy (fused)" if report["fused"] else "one-launch row copy (address tensors)")
+            if report["row_copy"]
+            else "gather/scatter kernels + copies"
+        )
     )
-    print(f"{'mode':<20}{'GB/s':>10}{'copy_ GB/s':>12}{'ratio':>8}")
+    print(f"{'mode':<20}{'GB/s':>10}{'copy_ GB/s':>12}{'ratio min / median / max':>26}")
     for name, r in report["results"].items():
-        print(f"{name:<20}{r['GBps']:>10.2f}{r['baseline_GBps']:>12.2f}{r['ratio']:>8.2f}")
+        ratios = f"{r['ratio_min']:.2f} / {r['ratio']:.2f} / {r['ratio_max']:.2f}"
+        print(f"{name:<20}{r['GBps']:>10.2f}{r['baseline_GBps']:>12.2f}{ratios:>26}")
     if report["layerwise_overlap"]:
         for name, o in report["layerwise_overlap"].items():
             print(

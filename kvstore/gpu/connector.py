@@ -43,6 +43,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import (
 )
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
+from kvstore.gpu.direct import DirectCopier, LayerCopies, TokenSpans
 from kvstore.gpu.layout import KVLayout
 from kvstore.gpu.paged import PagedKVCache
 from kvstore.gpu.staging import DeviceScratch, PinnedPool
@@ -65,6 +66,7 @@ class _PagedCore:
         device: torch.device | str | None = None,
         pool: PinnedPool | None = None,
         stage_all: bool = False,
+        row_copy: bool | None = None,
     ) -> None:
         # Comes first in both connectors' MRO, so LMCache's layerwise parent __init__
         # (which needs CUDA) is deliberately never called.
@@ -86,6 +88,8 @@ class _PagedCore:
         self.device = torch.device(device)
         self.pool = pool if pool is not None else PinnedPool()
         self.stage_all = stage_all
+        self.row_copy = row_copy
+        self._copier: DirectCopier | None = None
         self.store_copies = CopyStream(self.device)
         self.load_copies = CopyStream(self.device)
         if self.store_copies.stream is not None:
@@ -156,6 +160,24 @@ class _PagedCore:
         """True when ``t`` can be read/written by the gather/scatter kernels directly."""
         return t.device == paged.device and not self.stage_all
 
+    def _copier_for(
+        self, paged: PagedKVCache, tensors: Sequence[torch.Tensor], *, layerwise: bool = False
+    ) -> DirectCopier | None:
+        """The one-launch row copy when it applies to ``tensors`` (see kvstore.gpu.direct).
+
+        By default only whole-chunk transfers take it: the kernel moves data with the
+        GPU's cores, so a layerwise copy running beside the model's compute slows that
+        compute, where the copy engines' DMA does not (on an H200, one layer's copy hid
+        90-96% behind a matmul through DMA, 36-43% as a kernel).
+        """
+        if self.row_copy is False or self.stage_all:
+            return None
+        if self.row_copy is None and (layerwise or not DirectCopier.runnable(paged.device)):
+            return None
+        if self._copier is None or self._copier.paged is not paged:
+            self._copier = DirectCopier(paged)
+        return self._copier if self._copier.accepts(tensors) else None
+
     def _batch(self, stream: CopyStream) -> HostBatch:
         return HostBatch(stream, self.pool, stage_all=self.stage_all)
 
@@ -187,6 +209,9 @@ class PagedKVConnector(_PagedCore, GPUConnectorInterface):
     ``pool``: host staging pool to share between connectors (default: a private one).
     ``stage_all``: route every copy through device scratch and staging buffers even when
     caches and chunks share a device (exercises the GPU path's bookkeeping on CPU).
+    ``row_copy``: move every row of a transfer in one launch (kvstore.gpu.direct) when the
+    memory objects are in device or pinned host memory. ``None`` (default): on CUDA when
+    Triton is installed; ``True``: always (on CPU a host loop, for tests); ``False``: never.
     """
 
     @property
@@ -207,14 +232,21 @@ class PagedKVConnector(_PagedCore, GPUConnectorInterface):
         when this returns (one host wait for the whole batch)."""
         paged = self._bind(kwargs)
         slot_mapping = self._slot_mapping(kwargs)
+        for obj in memory_objs:
+            if isinstance(obj, (list, tuple)):
+                raise TypeError("PagedKVConnector takes one memory object per chunk; use the layerwise one")
+        dsts = [self._tensor(obj) for obj in memory_objs]
+        copier = self._copier_for(paged, dsts)
+        if copier is not None:
+            with self.store_copies.scope():
+                copier.chunks(slot_mapping, TokenSpans.of(starts, ends), dsts, to_cache=False)
+            for obj in memory_objs:
+                obj.metadata.fmt = self._fmt
+            self.store_copies.synchronize()
+            return
         batch = self._batch(self.store_copies)
         with self.store_copies.scope():
-            for obj, start, end in zip(memory_objs, starts, ends, strict=True):
-                if isinstance(obj, (list, tuple)):
-                    raise TypeError(
-                        "PagedKVConnector takes one memory object per chunk; use the layerwise one"
-                    )
-                dst = self._tensor(obj)
+            for obj, dst, start, end in zip(memory_objs, dsts, starts, ends, strict=True):
                 slots = slot_mapping[start:end]
                 if self._direct(dst, paged):
                     paged.gather(slots, out=dst)
@@ -236,6 +268,22 @@ class PagedKVConnector(_PagedCore, GPUConnectorInterface):
         paged = self._bind(kwargs)
         slot_mapping = self._slot_mapping(kwargs)
         cached = int(kwargs.get("vllm_cached_tokens") or 0)
+        moving = [
+            (obj, start, end, min(end - start, max(0, cached - start)))
+            for obj, start, end in zip(memory_objs, starts, ends, strict=True)
+            if cached < end
+        ]
+        for obj, *_ in moving:
+            self._check_fmt(obj, self._fmt)
+        srcs = [self._tensor(obj) for obj, *_ in moving]
+        copier = self._copier_for(paged, srcs)
+        if copier is not None:
+            spans = TokenSpans.of([m[1] for m in moving], [m[2] for m in moving], [m[3] for m in moving])
+            with self.load_copies.scope():
+                copier.chunks(slot_mapping, spans, srcs, to_cache=True)
+            self.load_copies.current_waits()
+            self.load_copies.synchronize()  # the engine releases the memory objects right after this returns
+            return
         batch = self._batch(self.load_copies)
         with self.load_copies.scope():
             for obj, start, end in zip(memory_objs, starts, ends, strict=True):
@@ -312,6 +360,11 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         sync = bool(kwargs.get("sync", True))
         if len(memory_objs) != paged.num_layers:
             raise ValueError(f"expected memory objects for {paged.num_layers} layers, got {len(memory_objs)}")
+        tensors = [[self._tensor(o) for o in objs] for objs in memory_objs]
+        copier = self._copier_for(paged, [t for layer in tensors for t in layer], layerwise=True)
+        if copier is not None:
+            yield from self._direct_from_gpu(copier, memory_objs, tensors, starts, ends, slot_mapping, sync)
+            return
         k = paged.layout.kv_size
         spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
         total = spans[-1][1] if spans else 0
@@ -322,8 +375,12 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         )
         self.store_copies.keep(rows)  # made on the caller's stream, read on the copy stream
         batch = self._batch(self.store_copies)
+        previous: torch.cuda.Event | None = None  # the layer queued by the last step
         for layer in range(paged.num_layers):
             objs = memory_objs[layer]
+            if batch.has_host_copies_pending:  # pageable objects: finish them on the host first
+                batch.complete(previous)
+                previous = None
             with self.store_copies.scope():  # after the attention that wrote this layer
                 dsts = [self._tensor(o) for o in objs]
                 if all(self._direct(d, paged) for d in dsts):
@@ -340,13 +397,54 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                 for obj in objs:
                     obj.metadata.fmt = self._fmt
                 event = batch.mark()
-            yield
-            if batch.has_host_copies_pending:
-                batch.complete(event)  # pageable objects: finish their copies on the host
-            elif sync:
-                self.store_copies.synchronize()  # LMCache semantics: drain the shared stream
+            # Layer - 1 completes while this layer is already queued behind it.
+            if sync and previous is not None:
+                previous.synchronize()
             batch.release()
+            previous = event
+            yield
+        if batch.has_host_copies_pending:
+            batch.complete(previous)
+        elif sync and previous is not None:
+            previous.synchronize()
+        batch.release()
         yield
+
+    def _direct_from_gpu(self, copier, memory_objs, tensors, starts, ends, slot_mapping, sync):
+        """Layerwise store as one row copy per layer: layer i is queued before layer i-1
+        is waited for, so the copy stream never idles while the host waits."""
+        with self.store_copies.scope():
+            copies = copier.layers(slot_mapping, TokenSpans.of(starts, ends))
+            copies.prepare(tensors)
+        previous: torch.cuda.Event | None = None
+        for layer, objs in enumerate(memory_objs):
+            with self.store_copies.scope():  # after the attention that wrote this layer
+                copies.copy(layer, tensors[layer], to_cache=False)
+                event = self.store_copies.record()
+            for obj in objs:
+                obj.metadata.fmt = self._fmt
+            if sync and previous is not None:
+                previous.synchronize()  # layer - 1 is complete when this step returns
+            previous = event
+            yield
+        if sync and previous is not None:
+            previous.synchronize()
+        yield
+
+    def _scatter_layer(self, paged, batch, layer, rows, srcs, spans, total, k) -> None:
+        """Gather/scatter path of one loaded layer (objects the row copy cannot address)."""
+        if all(self._direct(src, paged) for src in srcs):
+            for src, (a, b) in zip(srcs, spans, strict=True):
+                if b > a:
+                    paged.scatter_layer(layer, rows[k * a : k * b], src)
+        elif total:
+            scratch = self._load_scratch.get(paged.layout.layer_chunk_shape(total), paged.dtype)
+            for src, (a, b) in zip(srcs, spans, strict=True):
+                if self._direct(src, paged):
+                    scratch[a:b].copy_(src)
+                else:
+                    batch.to_device(src, scratch[a:b])
+            paged.scatter_layer(layer, rows, scratch)
 
     def batched_to_gpu(self, starts=None, ends=None, **kwargs: Any) -> Generator[None, Any, None]:
         paged = self._bind(kwargs)
@@ -357,9 +455,8 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         skips = [min(e - s, max(0, cached - s)) for s, e in zip(starts, ends, strict=True)]
         spans = self._spans([e - s - skip for s, e, skip in zip(starts, ends, skips, strict=True)])
         total = spans[-1][1] if spans else 0
-        kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
-        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
-        self.load_copies.keep(rows)  # made on the caller's stream, read on the copy stream
+        copies: LayerCopies | None = None  # row-copy path, made at the first layer that takes it
+        rows: torch.Tensor | None = None  # gather/scatter path: token-major rows, made once
         batch = self._batch(self.load_copies)
         held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
         for layer in range(paged.num_layers):
@@ -371,23 +468,23 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                     f"layer {layer}: send() {len(spans)} memory objects (one per chunk), got "
                     f"{None if objs is None else len(objs)}"
                 )
+            for obj in objs:
+                self._check_fmt(obj, self._fmt)
+            full = [self._tensor(obj) for obj in objs]
+            copier = self._copier_for(paged, full, layerwise=True)
             with self.load_copies.scope():
-                srcs = []
-                for obj, skip in zip(objs, skips, strict=True):
-                    self._check_fmt(obj, self._fmt)
-                    srcs.append(self._tensor(obj)[skip:])
-                if all(self._direct(s, paged) for s in srcs):
-                    for src, (a, b) in zip(srcs, spans, strict=True):
-                        if b > a:
-                            paged.scatter_layer(layer, rows[k * a : k * b], src)
-                elif total:
-                    scratch = self._load_scratch.get(paged.layout.layer_chunk_shape(total), paged.dtype)
-                    for src, (a, b) in zip(srcs, spans, strict=True):
-                        if self._direct(src, paged):
-                            scratch[a:b].copy_(src)
-                        else:
-                            batch.to_device(src, scratch[a:b])
-                    paged.scatter_layer(layer, rows, scratch)
+                if copier is not None:
+                    if copies is None:
+                        copies = copier.layers(slot_mapping, TokenSpans.of(starts, ends, skips))
+                    copies.copy(layer, full, to_cache=True)
+                else:
+                    if rows is None:
+                        kept = [
+                            slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)
+                        ]
+                        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
+                    srcs = [t[skip:] for t, skip in zip(full, skips, strict=True)]
+                    self._scatter_layer(paged, batch, layer, rows, srcs, spans, total, k)
                 batch.mark()
             if self.load_copies.is_async:
                 for obj in objs:

@@ -127,6 +127,19 @@ class PagedLayout:
             )
         return cache.view(self.kv_size * self.num_slots, self.width)
 
+    def row_terms(self) -> tuple[int, int]:
+        """``(k_stride, block)``: row of ``(k, slot)`` is ``k * k_stride + slot`` when
+        ``block`` is 0, else ``(slot // block) * block * kv_size + slot % block + k * k_stride``.
+
+        FlashAttention keeps a K plane then a V plane ``num_slots`` rows later; FlashInfer
+        interleaves per block (its K rows, then its V rows); MLA has one row per slot.
+        """
+        if self.kind is KVLayout.MLA:
+            return 0, 0
+        if self.kind is KVLayout.FLASH_ATTN:
+            return self.num_slots, 0
+        return self.block_size, self.block_size
+
     def rows(self, slots: torch.Tensor, *, token_major: bool = False) -> torch.Tensor:
         """Row indices (into :meth:`row_view`) of the tokens at ``slots``.
 
@@ -135,16 +148,13 @@ class PagedLayout:
         ``k0, v0, k1, v1, ...`` (the order of a ``KV_T2D`` layer tensor's rows).
         """
         slots = slots.to(torch.int64)
-        if self.kind is KVLayout.MLA:
-            rows = slots.unsqueeze(0)
-        elif self.kind is KVLayout.FLASH_ATTN:
-            # [2, NB, BS, ...]: K plane first, V plane num_slots rows later.
-            rows = torch.stack((slots, slots + self.num_slots))
+        k_stride, block = self.row_terms()
+        if block:
+            blocks = torch.div(slots, block, rounding_mode="floor")
+            base = blocks * (block * self.kv_size) + (slots - blocks * block)
         else:
-            # [NB, 2, BS, ...]: each block holds its K rows then its V rows.
-            block = torch.div(slots, self.block_size, rounding_mode="floor")
-            base = block * (2 * self.block_size) + (slots - block * self.block_size)
-            rows = torch.stack((base, base + self.block_size))
+            base = slots
+        rows = torch.stack([base + k * k_stride for k in range(self.kv_size)])
         if token_major:
             return rows.t().reshape(-1)
         return rows

@@ -3,6 +3,8 @@ the staging path, and the layerwise generator protocol step by step."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gpu_kvgen import make_caches, random_requests
@@ -14,6 +16,15 @@ from kvstore.gpu.connector import LayerwisePagedKVConnector, PagedKVConnector, m
 
 LENGTHS = [16, 16, 16, 5]  # chunks of one request; the last chunk is partial
 ALLOC = AdHocMemoryAllocator("cpu")
+# The three transfer paths: gather/scatter kernels straight into the objects, the same
+# through device scratch and staging buffers, and one row copy by address (on CPU its
+# host loop, so the address arithmetic is checked without a GPU).
+PATHS = {"gather": {"row_copy": False}, "staged": {"stage_all": True}, "rowcopy": {"row_copy": True}}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def path(request) -> str:
+    return request.param
 
 
 def _sequence(layout: str, seed: int):
@@ -31,11 +42,10 @@ def _sequence(layout: str, seed: int):
     return caches, slots, starts, ends
 
 
-@pytest.mark.parametrize("stage_all", [False, True])
-def test_whole_chunk_store_then_retrieve_into_fresh_caches(layout, stage_all):
+def test_whole_chunk_store_then_retrieve_into_fresh_caches(layout, path):
     caches, slots, starts, ends = _sequence(layout, seed=5)
     pool = PinnedPool(min_buffer_bytes=1024)
-    conn = PagedKVConnector(caches, stage_all=stage_all, pool=pool)
+    conn = PagedKVConnector(caches, pool=pool, **PATHS[path])
     fmt = MemoryFormat.KV_MLA_FMT if layout == "mla" else MemoryFormat.KV_2LTD
     objs = [ALLOC.allocate(conn.get_shape(e - s), caches[0].dtype, fmt=fmt) for s, e in zip(starts, ends)]
     conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots)
@@ -49,10 +59,13 @@ def test_whole_chunk_store_then_retrieve_into_fresh_caches(layout, stage_all):
     fresh_slots = random_requests(
         [sum(LENGTHS)], num_blocks=lay.num_blocks, block_size=lay.block_size, seed=9
     ).slots[0]
-    loader = PagedKVConnector(stage_all=stage_all, pool=pool, **_dims(conn))
+    if path == "rowcopy":  # under TRITON_INTERPRET=1 the fused kernel, else the host loop
+        assert conn._copier is not None
+        assert conn._copier.fused == (os.environ.get("TRITON_INTERPRET") == "1")
+    loader = PagedKVConnector(pool=pool, **PATHS[path], **_dims(conn))
     loader.batched_to_gpu(objs, starts, ends, kvcaches=fresh, slot_mapping=fresh_slots)
     assert torch.equal(PagedKVCache(fresh).gather(fresh_slots), src.gather(slots))
-    if stage_all:
+    if path == "staged":
         assert pool.stats.allocations >= 1 and pool.stats.reuses >= 1  # buffers came back and were reused
 
 
@@ -60,13 +73,14 @@ def _dims(conn) -> dict:
     return dict(num_layers=conn.num_layers, hidden_dim_size=conn.hidden_dim_size, use_mla=conn.use_mla)
 
 
-def test_vllm_cached_prefix_is_not_overwritten():
+def test_vllm_cached_prefix_is_not_overwritten(path):
     caches, slots, starts, ends = _sequence("flash_attn", seed=6)
     conn = PagedKVConnector(caches)
     objs = [ALLOC.allocate(conn.get_shape(e - s), torch.float32) for s, e in zip(starts, ends)]
     conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots)
     fresh = make_caches("flash_attn", fill="zeros")
-    PagedKVConnector(fresh).batched_to_gpu(objs, starts, ends, slot_mapping=slots, vllm_cached_tokens=20)
+    load = PagedKVConnector(fresh, **PATHS[path])
+    load.batched_to_gpu(objs, starts, ends, slot_mapping=slots, vllm_cached_tokens=20)
     got = PagedKVCache(fresh).gather(slots)
     want = PagedKVCache(caches).gather(slots)
     assert torch.count_nonzero(got[:, :, :20]) == 0  # vLLM's own tokens left alone
@@ -98,13 +112,12 @@ def _layer_objs(conn, starts, ends, dtype):
     ]
 
 
-@pytest.mark.parametrize("stage_all", [False, True])
-def test_layerwise_store_protocol(layout, stage_all):
+def test_layerwise_store_protocol(layout, path):
     """L + 1 next() calls; call c queues layer c and completes layer c - 1 (the engine puts
     that one when the call returns); layers after c are untouched. On CPU the direct path
     finishes a layer as it is queued; the staged path only at the next call."""
     caches, slots, starts, ends = _sequence(layout, seed=8)
-    conn = LayerwisePagedKVConnector(caches, stage_all=stage_all, pool=PinnedPool(min_buffer_bytes=1024))
+    conn = LayerwisePagedKVConnector(caches, pool=PinnedPool(min_buffer_bytes=1024), **PATHS[path])
     objs = _layer_objs(conn, starts, ends, caches[0].dtype)
     for layer_objs in objs:
         for obj in layer_objs:
@@ -119,7 +132,7 @@ def test_layerwise_store_protocol(layout, stage_all):
     fmt = MemoryFormat.KV_MLA_FMT if layout == "mla" else MemoryFormat.KV_T2D
     for call in range(num_layers + 1):
         next(gen)
-        complete_upto = call - 1 if stage_all else call
+        complete_upto = call - 1 if path == "staged" else call
         for layer in range(num_layers):
             for obj, w in zip(objs[layer], want[layer]):
                 got = obj.tensor.reshape(w.shape)
@@ -132,8 +145,7 @@ def test_layerwise_store_protocol(layout, stage_all):
         next(gen)
 
 
-@pytest.mark.parametrize("stage_all", [False, True])
-def test_layerwise_load_protocol(layout, stage_all):
+def test_layerwise_load_protocol(layout, path):
     """next(), then send(layer i objects) for each layer, then next(): L + 2 steps."""
     caches, slots, starts, ends = _sequence(layout, seed=10)
     store = LayerwisePagedKVConnector(caches)
@@ -143,7 +155,7 @@ def test_layerwise_load_protocol(layout, stage_all):
         pass
 
     fresh = make_caches(layout, fill="zeros")
-    load = LayerwisePagedKVConnector(fresh, stage_all=stage_all, pool=PinnedPool(min_buffer_bytes=1024))
+    load = LayerwisePagedKVConnector(fresh, pool=PinnedPool(min_buffer_bytes=1024), **PATHS[path])
     gen = load.batched_to_gpu(starts, ends, kvcaches=fresh, slot_mapping=slots, sync=True)
     next(gen)
     dst, src = PagedKVCache(fresh), PagedKVCache(caches)
@@ -159,14 +171,14 @@ def test_layerwise_load_protocol(layout, stage_all):
     assert torch.equal(dst.gather(slots), src.gather(slots))
 
 
-def test_layerwise_load_skips_vllm_cached_tokens_and_checks_send():
+def test_layerwise_load_skips_vllm_cached_tokens_and_checks_send(path):
     caches, slots, starts, ends = _sequence("mla", seed=11)
     store = LayerwisePagedKVConnector(caches)
     objs = _layer_objs(store, starts, ends, caches[0].dtype)
     for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots):
         pass
     fresh = make_caches("mla", fill="zeros")
-    load = make_connector(fresh, layerwise=True)
+    load = make_connector(fresh, layerwise=True, **PATHS[path])
     gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, vllm_cached_tokens=33, sync=False)
     next(gen)
     for layer in range(load.num_layers):
@@ -218,3 +230,90 @@ def test_cuda_caches_with_host_memory_objects(layout, layerwise):
         PagedKVConnector(fresh).batched_to_gpu(objs, starts, ends, slot_mapping=gpu_slots)
     torch.cuda.synchronize()
     assert torch.equal(PagedKVCache(fresh).gather(gpu_slots).cpu(), PagedKVCache(caches).gather(slots))
+
+
+def test_row_copy_refuses_objects_of_the_wrong_shape_or_a_short_slot_mapping():
+    """The row copy writes by address: a mis-sized object is an error, never an overrun."""
+    caches, slots, starts, ends = _sequence("flash_attn", seed=13)
+    conn = PagedKVConnector(caches, row_copy=True)
+    objs = [ALLOC.allocate(conn.get_shape(e - s), torch.float32) for s, e in zip(starts, ends)]
+    small = ALLOC.allocate(conn.get_shape(4), torch.float32)
+    with pytest.raises(ValueError, match="memory object 3 has shape"):
+        conn.batched_from_gpu([*objs[:3], small], starts, ends, slot_mapping=slots)
+    with pytest.raises(ValueError, match="slot_mapping holds 40 tokens"):
+        conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots[:40])
+    layerwise = LayerwisePagedKVConnector(caches, row_copy=True)
+    layer_objs = _layer_objs(layerwise, starts, ends, torch.float32)
+    layer_objs[1][0] = ALLOC.allocate(layerwise.get_shape(3), torch.float32, fmt=MemoryFormat.KV_T2D)
+    with pytest.raises(ValueError, match="memory object 0 has shape"):
+        next(layerwise.batched_from_gpu(layer_objs, starts, ends, slot_mapping=slots))
+
+
+def _pinned_objs(shapes, dtype, fmt):
+    from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+    objs = []
+    for shape in shapes:
+        raw = torch.zeros(shape.numel() * dtype.itemsize, dtype=torch.uint8, pin_memory=True)
+        meta = MemoryObjMetadata(
+            shape=shape,
+            dtype=dtype,
+            address=0,
+            phy_size=raw.numel(),
+            ref_count=1,
+            pin_count=0,
+            fmt=fmt,
+            shapes=[shape],
+            dtypes=[dtype],
+        )
+        objs.append(TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None))
+    return objs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("row_copy", [None, True, False], ids=["default", "rowcopy", "dma"])
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_cuda_caches_with_pinned_memory_objects(layout, layerwise, row_copy):
+    """CUDA caches, pinned host objects (LMCache's pool): whole chunks take the one-launch
+    row copy through unified addressing by default; row_copy=False (and layerwise) the
+    gather + DMA path. Bytes equal
+    either way, vLLM's cached prefix untouched, the partial last chunk included."""
+    caches, slots, starts, ends = _sequence(layout, seed=14)
+    gpu_caches, gpu_slots = [c.cuda() for c in caches], slots.cuda()
+    fresh = [torch.zeros_like(c) for c in gpu_caches]
+    cls = LayerwisePagedKVConnector if layerwise else PagedKVConnector
+    conn, load = cls(gpu_caches, row_copy=row_copy), cls(fresh, row_copy=row_copy)
+    dtype = caches[0].dtype
+    if layerwise:
+        fmt = MemoryFormat.KV_MLA_FMT if conn.use_mla else MemoryFormat.KV_T2D
+        objs = [
+            _pinned_objs([conn.get_shape(e - s) for s, e in zip(starts, ends)], dtype, fmt)
+            for _ in range(conn.num_layers)
+        ]
+        for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=gpu_slots, sync=True):
+            pass
+        want = PagedKVCache(caches)
+        for layer in range(conn.num_layers):
+            for obj, s, e in zip(objs[layer], starts, ends):
+                assert torch.equal(
+                    obj.tensor, want.gather(slots[s:e])[:, layer].transpose(0, 1).reshape(obj.tensor.shape)
+                )
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=gpu_slots, sync=True, vllm_cached_tokens=20)
+        next(gen)
+        for layer in range(load.num_layers):
+            gen.send(objs[layer])
+        next(gen)
+    else:
+        fmt = MemoryFormat.KV_MLA_FMT if conn.use_mla else MemoryFormat.KV_2LTD
+        objs = _pinned_objs([conn.get_shape(e - s) for s, e in zip(starts, ends)], dtype, fmt)
+        conn.batched_from_gpu(objs, starts, ends, slot_mapping=gpu_slots)
+        for obj, s, e in zip(objs, starts, ends):
+            assert torch.equal(obj.tensor, PagedKVCache(caches).gather(slots[s:e]))
+        load.batched_to_gpu(objs, starts, ends, slot_mapping=gpu_slots, vllm_cached_tokens=20)
+    torch.cuda.synchronize()
+    # The row copy is the default for whole chunks only (layerwise copies stay on DMA).
+    assert (conn._copier is not None) == (row_copy is True or (row_copy is None and not layerwise))
+    got = PagedKVCache(fresh).gather(gpu_slots).cpu()
+    want_all = PagedKVCache(caches).gather(slots)
+    assert torch.count_nonzero(got[:, :, :20]) == 0
+    assert torch.equal(got[:, :, 20:], want_all[:, :, 20:])

@@ -24,7 +24,7 @@ _ids = itertools.count()
 def engine_for():
     made = []
 
-    def build(layout: str, layerwise: bool):
+    def build(layout: str, layerwise: bool, device: str = "cpu"):
         g = GEOMETRY[layout]
         mla = layout == "mla"
         cfg = LMCacheEngineConfig.from_defaults(
@@ -47,7 +47,7 @@ def engine_for():
             chunk_size=CHUNK,
         )
         cls = LayerwisePagedKVConnector if layerwise else PagedKVConnector
-        conn = cls.from_metadata(meta, device="cpu")
+        conn = cls.from_metadata(meta, device=device)
         name = f"kvstore-gpu-test-{next(_ids)}"
         engine = LMCacheEngineBuilder.get_or_create(name, cfg, meta, conn, lambda *a: None, lambda *a: None)
         engine.post_init()
@@ -119,3 +119,32 @@ def test_engine_layerwise_retrieve_overlaps_with_layers(engine_for):
         next(retriever)
         assert torch.equal(dst.gather(slots)[:, layer], src.gather(slots)[:, layer])
     next(retriever)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
+def test_engine_on_cuda_caches(layout, layerwise, engine_for):
+    """As vLLM runs it: paged caches and slot mapping on the GPU, chunks in LMCache's
+    host pool; what comes back into fresh GPU caches equals what was stored."""
+    engine = engine_for(layout, layerwise=layerwise, device="cuda")
+    num_layers = GEOMETRY[layout]["num_layers"]
+    caches, slots = _request(layout, seed=31)
+    caches, slots = [c.cuda() for c in caches], slots.cuda()
+    tokens = torch.arange(20000, 20000 + NUM_TOKENS)
+    fresh = [c.cuda() for c in make_caches(layout, fill="zeros")]
+    fresh_slots = _request(layout, seed=32)[1].cuda()
+    if layerwise:
+        for _ in engine.store_layer(tokens, kvcaches=caches, slot_mapping=slots, sync=True):
+            pass
+        assert engine.lookup(tokens) == NUM_TOKENS
+        steps = list(engine.retrieve_layer(tokens, kvcaches=fresh, slot_mapping=fresh_slots, sync=True))
+        assert len(steps) == num_layers + 2
+        assert int(steps[-1].sum()) == NUM_TOKENS
+    else:
+        engine.store(tokens, kvcaches=caches, slot_mapping=slots)
+        assert engine.lookup(tokens) == NUM_TOKENS
+        mask = engine.retrieve(tokens, kvcaches=fresh, slot_mapping=fresh_slots)
+        assert int(mask.sum()) == NUM_TOKENS
+    torch.cuda.synchronize()
+    got = PagedKVCache(fresh).gather(fresh_slots).cpu()
+    assert torch.equal(got, PagedKVCache(caches).gather(slots).cpu())
