@@ -213,10 +213,12 @@ def run(args) -> dict:
         _profile(
             {"load_layerwise": load_layers, "store_layerwise": store_layers, "store_whole_chunk": store_whole}
         )
-        if cuda and whole._copier is not None:
+        if cuda and whole._copier is not None and whole._copier.accepts([o.tensor for o in chunk_objs]):
             for name, fn in (("store_whole_chunk", store_whole), ("load_whole_chunk", load_whole)):
                 _row_copy_breakdown(name, fn)
 
+    # Whether whole chunks took the row copy (it needs pinned or device memory objects).
+    row_copy_used = whole._copier is not None and whole._copier.accepts([o.tensor for o in chunk_objs])
     overlap = (
         _overlap(args, device, caches, fresh, layerwise, layer_objs, starts, ends, slots) if cuda else None
     )
@@ -228,8 +230,8 @@ def run(args) -> dict:
         "threads": torch.get_num_threads(),
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "bytes_per_pass": nbytes,
-        "row_copy": whole._copier is not None,
-        "fused": whole._copier is not None and whole._copier.fused,
+        "row_copy": row_copy_used,
+        "fused": row_copy_used and whole._copier is not None and whole._copier.fused,
         "results": results,
         "layerwise_overlap": overlap,
     }
