@@ -167,8 +167,8 @@ class _PagedCore:
 
         By default only whole-chunk transfers take it: the kernel moves data with the
         GPU's cores, so a layerwise copy running beside the model's compute slows that
-        compute, where the copy engines' DMA does not (on an H200, one layer's copy hid
-        90-96% behind a matmul through DMA, 36-43% as a kernel).
+        compute, where the copy engines' DMA does not (on an H200, 32 layers' stores hid
+        91% behind a matmul per layer through DMA, 17% as a kernel; docs/benchmarks/gpu.md).
         """
         if self.row_copy is False or self.stage_all:
             return None
@@ -210,8 +210,9 @@ class PagedKVConnector(_PagedCore, GPUConnectorInterface):
     ``stage_all``: route every copy through device scratch and staging buffers even when
     caches and chunks share a device (exercises the GPU path's bookkeeping on CPU).
     ``row_copy``: move every row of a transfer in one launch (kvstore.gpu.direct) when the
-    memory objects are in device or pinned host memory. ``None`` (default): on CUDA when
-    Triton is installed; ``True``: always (on CPU a host loop, for tests); ``False``: never.
+    memory objects are in device or pinned host memory. ``None`` (default): whole chunks on
+    CUDA when Triton is installed; ``True``: layerwise too, and on CPU through a host loop
+    (tests); ``False``: never.
     """
 
     @property
