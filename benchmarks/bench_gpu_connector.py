@@ -124,11 +124,7 @@ def run(args) -> dict:
     ends = [s + args.chunk_size for s in starts]
 
     pin = cuda and not args.pageable  # LMCache's host pool is pinned; --pageable tests staging
-    row_copy = {"auto": None, "on": True, "off": False, "addresses": True}[args.row_copy]
-    if args.row_copy == "addresses":  # the row copy from per-row address tensors, not the fused kernel
-        from kvstore.gpu.direct import DirectCopier
-
-        DirectCopier.FUSED = False
+    row_copy = {"auto": None, "on": True, "off": False}[args.row_copy]
     whole = PagedKVConnector(caches, row_copy=row_copy)
     layerwise = LayerwisePagedKVConnector(caches, row_copy=row_copy)
     mla = whole.use_mla
@@ -209,16 +205,16 @@ def run(args) -> dict:
 
     assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(caches).gather(slots))
 
+    # Whether whole chunks took the row copy (it needs pinned or device memory objects).
+    row_copy_used = whole._copier is not None and whole._copier.accepts([o.tensor for o in chunk_objs])
     if args.profile:
         _profile(
             {"load_layerwise": load_layers, "store_layerwise": store_layers, "store_whole_chunk": store_whole}
         )
-        if cuda and whole._copier is not None and whole._copier.accepts([o.tensor for o in chunk_objs]):
+        if cuda and row_copy_used:
             for name, fn in (("store_whole_chunk", store_whole), ("load_whole_chunk", load_whole)):
-                _row_copy_breakdown(name, fn)
+                _row_copy_breakdown(name, fn, nbytes, results[name]["baseline_seconds"])
 
-    # Whether whole chunks took the row copy (it needs pinned or device memory objects).
-    row_copy_used = whole._copier is not None and whole._copier.accepts([o.tensor for o in chunk_objs])
     overlap = (
         _overlap(args, device, caches, fresh, layerwise, layer_objs, starts, ends, slots) if cuda else None
     )
@@ -231,7 +227,6 @@ def run(args) -> dict:
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "bytes_per_pass": nbytes,
         "row_copy": row_copy_used,
-        "fused": row_copy_used and whole._copier is not None and whole._copier.fused,
         "results": results,
         "layerwise_overlap": overlap,
     }
@@ -256,15 +251,15 @@ def _profile(modes: dict[str, Callable[[], None]], calls: int = 20, top: int = 1
         print("\n".join(lines[2:]))
 
 
-def _row_copy_breakdown(name: str, fn: Callable[[], None], calls: int = 21) -> None:
+def _row_copy_breakdown(
+    name: str, fn: Callable[[], None], nbytes: int, copy_seconds: float, calls: int = 21
+) -> None:
     """Split a whole-chunk call into host time before the row-copy launch, the launch
-    itself, the kernel (CUDA events) and the rest (waiting for it, returning)."""
+    itself, the kernel (CUDA events) and the rest (waiting for it, returning); the
+    kernel's rate is also given against the run's median plain ``copy_``."""
     import kvstore.gpu.direct as direct
 
-    real: dict[str, Callable[..., None]] = {
-        "copy_rows": direct.copy_rows,
-        "copy_paged_rows": direct.copy_paged_rows,
-    }
+    real: dict[str, Callable[..., None]] = {"copy_paged_rows": direct.copy_paged_rows}
     marks: list[tuple[float, float, torch.cuda.Event, torch.cuda.Event]] = []
 
     def timing(kernel: Callable[..., None]) -> Callable[..., None]:
@@ -295,7 +290,8 @@ def _row_copy_breakdown(name: str, fn: Callable[[], None], calls: int = 21) -> N
     med = [statistics.median(r[i] for r in rows) * 1e3 for i in range(4)]
     print(
         f"-- {name} breakdown (median of {calls}, ms): call {med[0]:.3f} = before launch {med[1]:.3f} "
-        f"+ launch {med[2]:.3f} + rest {med[0] - med[1] - med[2]:.3f}; kernel (events) {med[3]:.3f}"
+        f"+ launch {med[2]:.3f} + rest {med[0] - med[1] - med[2]:.3f}; kernel (events) {med[3]:.3f} "
+        f"= {nbytes / med[3] / 1e6:.1f} GB/s, {copy_seconds * 1e3 / med[3]:.2f} of copy_"
     )
 
 
@@ -388,10 +384,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--row-copy",
-        choices=["auto", "on", "off", "addresses"],
+        choices=["auto", "on", "off"],
         default="auto",
         help="one-launch row copy (kvstore.gpu.direct): auto = whole chunks on CUDA with Triton; "
-        "on = layerwise too; off = gather + DMA; addresses = on, from per-row address tensors",
+        "on = layerwise too; off = gather + DMA",
     )
     p.add_argument("--profile", action="store_true", help="print where the host time of three modes goes")
     p.add_argument("--json", help="also write the results here")
@@ -403,11 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {report['device']}  torch {report['torch']}  threads {report['threads']}")
     print(
         f"bytes per pass: {report['bytes_per_pass'] / 2**20:.1f} MiB ({args.chunks} chunks x {args.chunk_size} tokens), "
-        + (
-            ("one-launch row copy (fused)" if report["fused"] else "one-launch row copy (address tensors)")
-            if report["row_copy"]
-            else "gather/scatter kernels + copies"
-        )
+        + ("one-launch row copy" if report["row_copy"] else "gather/scatter kernels + copies")
     )
     print(f"{'mode':<20}{'GB/s':>10}{'copy_ GB/s':>12}{'ratio min / median / max':>26}")
     for name, r in report["results"].items():

@@ -33,10 +33,7 @@ timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -rs -p no:cacheprovider tes
 python3 -c "import torch, time; a = torch.randn(4096, 4096, device='cuda'); t = time.time()
 while time.time() - t < 3: a @ a
 torch.cuda.synchronize()"
-echo "== bench_rowcopy.py" | tee -a "$OUT/bench.log"
-timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_rowcopy.py --warps 4 2>&1 | tee -a "$OUT/bench.log"
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-for run in "flash_attn --profile" "flash_attn --row-copy addresses" "flash_attn --row-copy off" \
+for run in "flash_attn --profile" "flash_attn --row-copy off" \
   "flash_attn --row-copy on" "flash_infer" "mla --head-size 576" "mla --head-size 576 --row-copy off" \
   "flash_attn --pageable"; do
   name=$(echo "$run" | tr -d ' -')
@@ -51,5 +48,5 @@ done
 tar -C "$OUT" -czf "$OUT/bench_json.tgz" json && rm -rf "$OUT/json"
 echo "== summary"
 tail -n 1 "$OUT/pytest.log"
-grep -E "^(==|store_|load_|layerwise|device|pinned)" "$OUT/bench.log"
+grep -E "^(==|store_|load_|layerwise|-- .* breakdown)" "$OUT/bench.log"
 exit $status

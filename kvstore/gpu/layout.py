@@ -25,6 +25,7 @@ __all__ = [
     "SlotMappingError",
     "check_slot_mapping",
     "discover_layout",
+    "row_index",
 ]
 
 
@@ -149,15 +150,18 @@ class PagedLayout:
         """
         slots = slots.to(torch.int64)
         k_stride, block = self.row_terms()
-        if block:
-            blocks = torch.div(slots, block, rounding_mode="floor")
-            base = blocks * (block * self.kv_size) + (slots - blocks * block)
-        else:
-            base = slots
-        rows = torch.stack([base + k * k_stride for k in range(self.kv_size)])
+        rows = torch.stack([row_index(slots, k, k_stride, block, self.kv_size) for k in range(self.kv_size)])
         if token_major:
             return rows.t().reshape(-1)
         return rows
+
+
+def row_index(slot, k: int, k_stride: int, block: int, kv_size: int):
+    """Row (into :meth:`PagedLayout.row_view`) of ``(k, slot)`` from ``row_terms()``; works
+    on ints and on int64 tensors of slots alike."""
+    if block:
+        return (slot // block) * (block * kv_size) + slot % block + k * k_stride
+    return slot + k * k_stride
 
 
 def discover_layout(kv_caches: Sequence[torch.Tensor], layout: KVLayout | str | None = None) -> PagedLayout:

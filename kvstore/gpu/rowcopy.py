@@ -1,16 +1,20 @@
-"""Copy many rows between arbitrary addresses in one launch.
+"""Move every row of a paged KV transfer in one launch.
 
-Owns: the one-launch row copy behind the connectors' direct path: ``n`` rows of
-``row_bytes`` each, row ``i`` read at byte address ``src[i]`` and written at
-``dst[i]``. On CUDA it is one Triton kernel; its addresses may be device memory or
-pinned host memory, which the GPU reaches through unified virtual addressing, so a
-paged-cache gather and the PCIe transfer to LMCache's pinned pool are the same single
-pass (no device scratch, no separate DMA, one launch for every layer and chunk). On
-CPU the same operation runs as a host loop (``ctypes.memmove`` per row), so the
-address arithmetic that feeds it is tested without a GPU.
+Owns: the copy behind the connectors' direct path. Each row (one token's K, V or latent
+vector of one layer) moves between the paged cache and a memory object; the kernel finds
+both addresses itself from the slot mapping, the layers' base addresses and a small
+per-chunk table (:class:`PagedRows`). On CUDA it is one Triton kernel, whose object side
+may be device memory or pinned host memory, which the GPU reaches through unified
+virtual addressing, so a paged-cache gather and the PCIe transfer to LMCache's pinned
+pool are the same single pass (no device scratch, no separate DMA, one launch for every
+layer and chunk). On the CPU the same arithmetic runs as a host loop (``ctypes.memmove``
+per row), and under Triton's interpreter the kernel itself runs on host tensors, so both
+are tested without a GPU.
 
-Must not touch: where a token's rows live (kvstore.gpu.layout / paged), which tensors
-are eligible or which stream runs the copy (kvstore.gpu.direct / transfer).
+Must not touch: which tensors are eligible and how the table is built
+(kvstore.gpu.direct), which stream runs the copy (kvstore.gpu.transfer). The row of a
+``(k, slot)`` pair is :func:`kvstore.gpu.layout.row_index`; the kernel repeats that
+formula because Triton code cannot call it.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PagedRows", "copy_paged_rows", "copy_rows", "kernel_available", "word_bytes"]
+from kvstore.gpu.layout import row_index
+
+__all__ = ["PagedRows", "copy_paged_rows", "kernel_available", "uses_kernel", "word_bytes"]
 
 _MAX_BLOCK_WORDS = 1024
 
@@ -36,38 +43,6 @@ def word_bytes(row_bytes: int, addresses: list[int]) -> int:
         if g % size == 0:
             return size
     return 1
-
-
-@functools.cache
-def _kernel() -> Any:
-    """The Triton kernel, compiled on first use; ``None`` when Triton is not installed."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def copy_rows_kernel(
-        src_addr, dst_addr, ROW_WORDS: tl.constexpr, BLOCK: tl.constexpr, WORD: tl.constexpr
-    ):
-        row = tl.program_id(0)
-        if WORD == 8:
-            ty = tl.int64
-        elif WORD == 4:
-            ty = tl.int32
-        elif WORD == 2:
-            ty = tl.int16
-        else:
-            ty = tl.int8
-        src = tl.load(src_addr + row).to(tl.pointer_type(ty))
-        dst = tl.load(dst_addr + row).to(tl.pointer_type(ty))
-        for off in tl.static_range(0, ROW_WORDS, BLOCK):
-            idx = off + tl.arange(0, BLOCK)
-            mask = idx < ROW_WORDS
-            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
-
-    return copy_rows_kernel
 
 
 @functools.cache
@@ -141,38 +116,14 @@ def _paged_kernel() -> Any:
 
 def kernel_available() -> bool:
     """True when the CUDA row-copy kernel can be built (Triton is importable)."""
-    return _kernel() is not None
+    return _paged_kernel() is not None
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, row_bytes: int, word: int, *, num_warps: int = 4) -> None:
-    """Copy row ``i`` (``row_bytes`` bytes) from address ``src[i]`` to ``dst[i]``.
-
-    ``src`` / ``dst``: 1-D int64 address tensors of equal length, on the CUDA device
-    that runs the copy (on the current stream), or on the CPU for the host loop.
-    ``word`` divides ``row_bytes`` and every address (see :func:`word_bytes`). Rows
-    must not overlap each other.
-    """
-    if src.shape != dst.shape or src.dim() != 1:
-        raise ValueError(
-            f"address tensors must be 1-D and alike, got {tuple(src.shape)} and {tuple(dst.shape)}"
-        )
-    if row_bytes % word:
-        raise ValueError(f"row of {row_bytes} bytes is not a whole number of {word}-byte words")
-    n = src.numel()
-    if n == 0:
-        return
-    if src.device.type == "cpu":
-        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
-            ctypes.memmove(d, s, row_bytes)
-        return
-    kernel = _kernel()
-    if kernel is None:
-        raise RuntimeError(
-            "the CUDA row copy needs Triton: pip install triton (PyTorch's CUDA wheels ship it)"
-        )
-    words = row_bytes // word
-    block = min(_MAX_BLOCK_WORDS, 1 << max(0, (words - 1).bit_length()))
-    kernel[(n,)](src, dst, ROW_WORDS=words, BLOCK=block, WORD=word, num_warps=num_warps)
+def uses_kernel(device: torch.device) -> bool:
+    """Whether :func:`copy_paged_rows` runs the Triton kernel for tensors on ``device``:
+    always on CUDA; on the CPU only under Triton's interpreter (``TRITON_INTERPRET=1``),
+    else the host loop."""
+    return device.type == "cuda" or (os.environ.get("TRITON_INTERPRET", "") == "1" and kernel_available())
 
 
 @dataclass(frozen=True)
@@ -204,8 +155,11 @@ class PagedRows:
 def copy_paged_rows(
     rows: PagedRows, row_bytes: int, word: int, *, to_cache: bool, num_warps: int = 4
 ) -> None:
-    """One launch that moves every row of a paged transfer, computing both addresses of
-    each row on the device (no per-row address tensors, so almost no host work)."""
+    """Move every row of a paged transfer: one Triton launch that computes both addresses
+    of each row itself (see :func:`uses_kernel`), or the host loop on the CPU."""
+    if not uses_kernel(rows.meta.device):
+        _host_loop(rows, row_bytes, to_cache)
+        return
     kernel = _paged_kernel()
     if kernel is None:
         raise RuntimeError(
@@ -236,3 +190,21 @@ def copy_paged_rows(
         WORD=word,
         num_warps=num_warps,
     )
+
+
+def _host_loop(rows: PagedRows, row_bytes: int, to_cache: bool) -> None:
+    """The kernel's arithmetic, row by row on the host (CPU tensors: tests and CI)."""
+    first, base, plane_bytes, kept = rows.meta.tolist()
+    slots, layer_addr = rows.slot_mapping.tolist(), rows.layer_addr.tolist()
+    for c in range(len(kept)):
+        for t in range(kept[c]):
+            slot = slots[first[c] + t]
+            for plane in range(rows.planes):
+                k, lay = divmod(plane, rows.num_layers) if rows.layer is None else (plane, rows.layer)
+                cache_at = (
+                    layer_addr[lay]
+                    + row_index(slot, k, rows.k_stride, rows.block_size, rows.kv_size) * row_bytes
+                )
+                obj_at = base[c] + t * rows.token_stride + plane * plane_bytes[c]
+                src, dst = (obj_at, cache_at) if to_cache else (cache_at, obj_at)
+                ctypes.memmove(dst, src, row_bytes)

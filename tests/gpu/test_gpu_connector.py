@@ -13,6 +13,7 @@ from lmcache.v1.memory_management import MemoryFormat
 
 from kvstore.gpu import PagedKVCache, PinnedPool
 from kvstore.gpu.connector import LayerwisePagedKVConnector, PagedKVConnector, make_connector
+from kvstore.gpu.rowcopy import uses_kernel
 
 LENGTHS = [16, 16, 16, 5]  # chunks of one request; the last chunk is partial
 ALLOC = AdHocMemoryAllocator("cpu")
@@ -59,9 +60,9 @@ def test_whole_chunk_store_then_retrieve_into_fresh_caches(layout, path):
     fresh_slots = random_requests(
         [sum(LENGTHS)], num_blocks=lay.num_blocks, block_size=lay.block_size, seed=9
     ).slots[0]
-    if path == "rowcopy":  # under TRITON_INTERPRET=1 the fused kernel, else the host loop
+    if path == "rowcopy":  # under TRITON_INTERPRET=1 the Triton kernel, else the host loop
         assert conn._copier is not None
-        assert conn._copier.fused == (os.environ.get("TRITON_INTERPRET") == "1")
+        assert uses_kernel(conn.device) == (os.environ.get("TRITON_INTERPRET") == "1")
     loader = PagedKVConnector(pool=pool, **PATHS[path], **_dims(conn))
     loader.batched_to_gpu(objs, starts, ends, kvcaches=fresh, slot_mapping=fresh_slots)
     assert torch.equal(PagedKVCache(fresh).gather(fresh_slots), src.gather(slots))
@@ -249,12 +250,56 @@ def test_row_copy_refuses_objects_of_the_wrong_shape_or_a_short_slot_mapping():
         next(layerwise.batched_from_gpu(layer_objs, starts, ends, slot_mapping=slots))
 
 
-def _pinned_objs(shapes, dtype, fmt):
+@pytest.mark.parametrize(
+    "dtype, head_size", [(torch.float16, 6), (torch.bfloat16, 5), (torch.uint8, 3)], ids=["w4", "w2", "w1"]
+)
+def test_rowcopy_rows_of_every_word_size(dtype, head_size):
+    """Rows of 12, 10 and 3 bytes (one head): moved as 4-, 2- and 1-byte words, whole
+    chunks and layerwise, with vLLM's cached prefix left alone."""
+    kw = dict(dtype=dtype, heads=1, head_size=head_size)
+    caches = make_caches("flash_infer", seed=15, **kw)
+    lay = PagedKVCache(caches).layout
+    slots = random_requests(
+        [sum(LENGTHS)], num_blocks=lay.num_blocks, block_size=lay.block_size, seed=15
+    ).slots[0]
+    starts = [sum(LENGTHS[:i]) for i in range(len(LENGTHS))]
+    ends = [s + n for s, n in zip(starts, LENGTHS)]
+    conn = PagedKVConnector(caches, row_copy=True)
+    objs = [ALLOC.allocate(conn.get_shape(e - s), dtype) for s, e in zip(starts, ends)]
+    conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots)
+    for obj, s, e in zip(objs, starts, ends):
+        assert torch.equal(obj.tensor, PagedKVCache(caches).gather(slots[s:e]))
+    fresh = make_caches("flash_infer", fill="zeros", **kw)
+    PagedKVConnector(fresh, row_copy=True).batched_to_gpu(
+        objs, starts, ends, slot_mapping=slots, vllm_cached_tokens=7
+    )
+    got, want = PagedKVCache(fresh).gather(slots), PagedKVCache(caches).gather(slots)
+    assert torch.count_nonzero(got[:, :, :7]) == 0 and torch.equal(got[:, :, 7:], want[:, :, 7:])
+
+    layerwise = LayerwisePagedKVConnector(caches, row_copy=True)
+    layer_objs = _layer_objs(layerwise, starts, ends, dtype)
+    for _ in layerwise.batched_from_gpu(layer_objs, starts, ends, slot_mapping=slots):
+        pass
+    fresh = make_caches("flash_infer", fill="zeros", **kw)
+    gen = LayerwisePagedKVConnector(fresh, row_copy=True).batched_to_gpu(starts, ends, slot_mapping=slots)
+    next(gen)
+    for objs_of_layer in layer_objs:
+        gen.send(objs_of_layer)
+    next(gen)
+    assert torch.equal(PagedKVCache(fresh).gather(slots), want)
+
+
+def _pinned_objs(shapes, dtype, fmt, device=None):
+    """Memory objects in pinned host memory (LMCache's pool), or on ``device``."""
     from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
 
     objs = []
     for shape in shapes:
-        raw = torch.zeros(shape.numel() * dtype.itemsize, dtype=torch.uint8, pin_memory=True)
+        nbytes = shape.numel() * dtype.itemsize
+        if device is None:
+            raw = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            raw = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         meta = MemoryObjMetadata(
             shape=shape,
             dtype=dtype,
@@ -271,23 +316,25 @@ def _pinned_objs(shapes, dtype, fmt):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("where", ["pinned", "device"])
 @pytest.mark.parametrize("row_copy", [None, True, False], ids=["default", "rowcopy", "dma"])
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
-def test_cuda_caches_with_pinned_memory_objects(layout, layerwise, row_copy):
-    """CUDA caches, pinned host objects (LMCache's pool): whole chunks take the one-launch
-    row copy through unified addressing by default; row_copy=False (and layerwise) the
-    gather + DMA path. Bytes equal
-    either way, vLLM's cached prefix untouched, the partial last chunk included."""
+def test_cuda_caches_with_pinned_or_device_memory_objects(layout, layerwise, row_copy, where):
+    """CUDA caches; memory objects in pinned host memory (LMCache's pool) or on the GPU:
+    whole chunks take the one-launch row copy by default (pinned memory through unified
+    addressing); row_copy=False, and layerwise by default, the gather + DMA path. Bytes
+    equal either way, vLLM's cached prefix untouched, the partial last chunk included."""
     caches, slots, starts, ends = _sequence(layout, seed=14)
     gpu_caches, gpu_slots = [c.cuda() for c in caches], slots.cuda()
     fresh = [torch.zeros_like(c) for c in gpu_caches]
     cls = LayerwisePagedKVConnector if layerwise else PagedKVConnector
     conn, load = cls(gpu_caches, row_copy=row_copy), cls(fresh, row_copy=row_copy)
     dtype = caches[0].dtype
+    device = "cuda" if where == "device" else None
     if layerwise:
         fmt = MemoryFormat.KV_MLA_FMT if conn.use_mla else MemoryFormat.KV_T2D
         objs = [
-            _pinned_objs([conn.get_shape(e - s) for s, e in zip(starts, ends)], dtype, fmt)
+            _pinned_objs([conn.get_shape(e - s) for s, e in zip(starts, ends)], dtype, fmt, device)
             for _ in range(conn.num_layers)
         ]
         for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=gpu_slots, sync=True):
@@ -296,7 +343,8 @@ def test_cuda_caches_with_pinned_memory_objects(layout, layerwise, row_copy):
         for layer in range(conn.num_layers):
             for obj, s, e in zip(objs[layer], starts, ends):
                 assert torch.equal(
-                    obj.tensor, want.gather(slots[s:e])[:, layer].transpose(0, 1).reshape(obj.tensor.shape)
+                    obj.tensor.cpu(),
+                    want.gather(slots[s:e])[:, layer].transpose(0, 1).reshape(obj.tensor.shape),
                 )
         gen = load.batched_to_gpu(starts, ends, slot_mapping=gpu_slots, sync=True, vllm_cached_tokens=20)
         next(gen)
@@ -305,10 +353,10 @@ def test_cuda_caches_with_pinned_memory_objects(layout, layerwise, row_copy):
         next(gen)
     else:
         fmt = MemoryFormat.KV_MLA_FMT if conn.use_mla else MemoryFormat.KV_2LTD
-        objs = _pinned_objs([conn.get_shape(e - s) for s, e in zip(starts, ends)], dtype, fmt)
+        objs = _pinned_objs([conn.get_shape(e - s) for s, e in zip(starts, ends)], dtype, fmt, device)
         conn.batched_from_gpu(objs, starts, ends, slot_mapping=gpu_slots)
         for obj, s, e in zip(objs, starts, ends):
-            assert torch.equal(obj.tensor, PagedKVCache(caches).gather(slots[s:e]))
+            assert torch.equal(obj.tensor.cpu(), PagedKVCache(caches).gather(slots[s:e]))
         load.batched_to_gpu(objs, starts, ends, slot_mapping=gpu_slots, vllm_cached_tokens=20)
     torch.cuda.synchronize()
     # The row copy is the default for whole chunks only (layerwise copies stay on DMA).
