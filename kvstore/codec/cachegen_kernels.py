@@ -225,22 +225,28 @@ def rans_encode(q, tab, enc, scratch, lengths, s0, s1):
     byte length."""
     _, T, C = q.shape
     cap = scratch.shape[1]
-    xs = np.empty(LANES, np.int64)
     for s in range(s0, s1):
         buf = scratch[s]
         p = cap
-        for j in range(LANES):
-            xs[j] = RANS_L
-        i = T * C - 1
+        # The four lane states in registers, as a window that turns one place a symbol:
+        # w0 is the state of the lane of the symbol being coded (symbol i, lane i mod 4,
+        # coded from the last symbol down), w1..w3 those of symbols i-1..i-3.  (States in
+        # an array indexed by lane went through memory on every symbol: ~12% slower.)
+        w0 = np.int64(RANS_L)
+        w1 = np.int64(RANS_L)
+        w2 = np.int64(RANS_L)
+        w3 = np.int64(RANS_L)
         for c in range(C - 1, -1, -1):
             e = enc[tab[s, c]]
             for t in range(T - 1, -1, -1):
-                lane = i & (LANES - 1)
-                xs[lane], p = _put(xs[lane], e[q[s, t, c]], buf, p)
-                i -= 1
+                x, p = _put(w0, e[q[s, t, c]], buf, p)
+                w0 = w1
+                w1 = w2
+                w2 = w3
+                w3 = x
+        # After symbol 0 the window holds the lanes of symbols -1..-4: lanes 3, 2, 1, 0.
         p -= STATE_BYTES
-        for j in range(LANES):
-            x = xs[j]
+        for j, x in enumerate((w3, w2, w1, w0)):
             for b in range(4):
                 buf[p + 4 * j + b] = (x >> (8 * b)) & 0xFF
         lengths[s] = cap - p
@@ -269,6 +275,15 @@ def _bf16_bits(f):
     return ((u + ((u >> 16) & 1) + 0x7FFF) >> 16) & 0xFFFF
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _state(data, p):
+    """The little-endian u32 at data[p:p+4] as a coder state, or -1 if it cannot be one."""
+    x = np.int64(0)
+    for b in range(4):
+        x |= np.int64(data[p + b]) << (8 * b)
+    return x if RANS_L <= x < (1 << 31) else np.int64(-1)
+
+
 @njit(nogil=True, cache=True)
 def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, t0, mode, s0, s1):
     """Decode and dequantize streams [s0, s1) into out[:, t0:] (out [S,T,C]; the first t0
@@ -285,7 +300,6 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
     """
     _, TT, C = out.shape
     T = TT - t0
-    xs = np.empty(LANES, np.int64)
     tmp = np.empty((T, C), np.float32)  # one stream (192 KiB at 256 x 192)
     mask = PROB_SCALE - 1
     for s in range(s0, s1):
@@ -293,13 +307,15 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
         end = offs[s + 1]
         if p < 0 or end > data.shape[0] or end - p < STATE_BYTES:
             return s
-        for j in range(LANES):
-            x = np.int64(0)
-            for b in range(4):
-                x |= np.int64(data[p + 4 * j + b]) << (8 * b)
-            if x < RANS_L or x >= (1 << 31):
-                return s
-            xs[j] = x
+        # The lane states as a window that turns one place a symbol (see `rans_encode`):
+        # w0 is the state of the lane of symbol i (decoded from symbol 0 up), w1..w3 those
+        # of symbols i+1..i+3.
+        w0 = _state(data, p)
+        w1 = _state(data, p + 4)
+        w2 = _state(data, p + 8)
+        w3 = _state(data, p + 12)
+        if min(w0, w1, w2, w3) < 0:
+            return s
         p += STATE_BYTES
         vb = vbase[s]
         sc = scales[s]
@@ -309,7 +325,6 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
         # below RANS_L.  A stream that runs past its end is caught once per channel (its
         # reads were clamped, its output is discarded with the error).
         last = end - 2
-        i = 0
         for c in range(C):
             k = tab[s, c]
             fr = freq[k]
@@ -317,25 +332,25 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
             lk = lut[k]
             cs = chs[s, c]
             for t in range(T):
-                lane = i & (LANES - 1)
-                x = xs[lane]
+                x = w0
                 slot = x & mask
                 sym = lk[slot]
                 x = np.int64(fr[sym]) * (x >> PROB_BITS) + slot - np.int64(cu[sym])
                 r = np.int64(x < RANS_L)
                 pp = min(p, last)
                 w = np.int64(data[pp]) | (np.int64(data[pp + 1]) << 8)
-                xs[lane] = (x << (16 * r)) | (w & -r)
+                w0 = w1
+                w1 = w2
+                w2 = w3
+                w3 = (x << (16 * r)) | (w & -r)
                 p += 2 * r
                 tmp[t, c] = vals[vb + sym] * sc[t] * cs
-                i += 1
             if p > end:
                 return s
         if p != end:
             return s
-        for j in range(LANES):
-            if xs[j] != RANS_L:
-                return s
+        if w0 != RANS_L or w1 != RANS_L or w2 != RANS_L or w3 != RANS_L:
+            return s
         # The stream's values, in cache, to the output in one vectorizable pass.
         if mode == 0:
             for t in range(T):
