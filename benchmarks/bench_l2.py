@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import median
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -83,6 +84,49 @@ def kvstore_spec(tiers: list[str]) -> dict:
         "module_path": "kvstore_lmcache.l2_adapter",
         "class_name": "KVStoreL2Adapter",
         "adapter_params": {"tiers": tiers, "timeout_s": 30},
+    }
+
+
+def start_s3(stack: contextlib.ExitStack) -> tuple[Any, Callable[[], None]]:
+    """A SeaweedFS on loopback (virtual-host addressing for LMCache's adapter) with bucket
+    `S3_BUCKET`, the AWS variables set for kvstore's tier, and a function that empties the
+    bucket; `stack` tears them down."""
+    import boto3
+
+    from kvstore.testing.seaweed import SeaweedS3
+
+    s3 = SeaweedS3(extra_args=("-s3.domainName=localhost",)).start()
+    stack.callback(s3.stop)
+    s3.create_bucket(S3_BUCKET)
+    stack.enter_context(s3.credentials_env())  # kvstore's tier reads the standard AWS variables
+    client = boto3.client("s3", **s3.client_kwargs())
+    stack.callback(client.close)
+
+    def empty_bucket() -> None:
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET):
+            for obj in page.get("Contents", []):
+                client.delete_object(Bucket=S3_BUCKET, Key=obj["Key"])
+
+    return s3, empty_bucket
+
+
+def lmcache_s3_spec(s3: Any) -> dict | None:
+    """LMCache's ``s3`` adapter on that server, or None (said why) when its virtual host
+    ``kvbench.localhost`` does not resolve (see the docstring)."""
+    try:
+        socket.getaddrinfo(f"{S3_BUCKET}.localhost", s3.ports.s3)
+    except OSError:
+        print(f"  (lmcache-s3 skipped: {S3_BUCKET}.localhost does not resolve; see the docstring)", flush=True)
+        return None
+    return {
+        "type": "s3",
+        "s3_endpoint": f"s3://{S3_BUCKET}.localhost:{s3.ports.s3}",
+        "s3_region": s3.region,
+        "s3_num_io_threads": 8,
+        "s3_prefer_http2": False,
+        "disable_tls": True,
+        "aws_access_key_id": s3.access_key,
+        "aws_secret_access_key": s3.secret_key,
     }
 
 
@@ -180,41 +224,13 @@ def main() -> None:
             )
         )
     if "s3" in kinds:
-        import boto3
-
-        from kvstore.testing.seaweed import SeaweedS3
-
         with contextlib.ExitStack() as stack:  # torn down here if setting up fails, else at the end
-            s3 = SeaweedS3(extra_args=("-s3.domainName=localhost",)).start()
-            stack.callback(s3.stop)
-            s3.create_bucket(S3_BUCKET)
-            stack.enter_context(s3.credentials_env())  # kvstore's tier reads the standard AWS variables
-            client = boto3.client("s3", **s3.client_kwargs())
-            stack.callback(client.close)
+            s3, empty_bucket = start_s3(stack)
             cleanup.append(stack.pop_all().close)
-
-        def empty_bucket() -> None:
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET):
-                for obj in page.get("Contents", []):
-                    client.delete_object(Bucket=S3_BUCKET, Key=obj["Key"])
-
         kv_s3 = s3.url(S3_BUCKET, "bench-l2") + (f"&{args.s3_opts.lstrip('?&')}" if args.s3_opts else "")
         configs.append(Config("kvstore-s3", "s3", lambda: build_adapter(kvstore_spec([kv_s3])), empty_bucket))
-        try:
-            socket.getaddrinfo(f"{S3_BUCKET}.localhost", s3.ports.s3)
-        except OSError:
-            print(f"  (lmcache-s3 skipped: {S3_BUCKET}.localhost does not resolve; see the docstring)", flush=True)
-        else:
-            lm_s3 = {
-                "type": "s3",
-                "s3_endpoint": f"s3://{S3_BUCKET}.localhost:{s3.ports.s3}",
-                "s3_region": s3.region,
-                "s3_num_io_threads": 8,
-                "s3_prefer_http2": False,
-                "disable_tls": True,
-                "aws_access_key_id": s3.access_key,
-                "aws_secret_access_key": s3.secret_key,
-            }
+        lm_s3 = lmcache_s3_spec(s3)
+        if lm_s3 is not None:
             print(f"  lmcache-s3 adapter: {json.dumps(lm_s3)}", flush=True)
             configs.append(Config("lmcache-s3", "s3", lambda: build_adapter(lm_s3), empty_bucket))
     try:
@@ -249,9 +265,9 @@ def main() -> None:
     print("\n| kvstore / LMCache (per round) | store | load |")
     print("|---|---:|---:|")
     for ours, theirs in pairs:
-        st = [a / b for a, b in zip(ours.store_gbs, theirs.store_gbs)]
-        ld = [a / b for a, b in zip(ours.load_gbs, theirs.load_gbs)]
-        print(f"| {ours.name} / {theirs.name} | {spread(st)} | {spread(ld)} |")
+        stores = [a / b for a, b in zip(ours.store_gbs, theirs.store_gbs)]
+        loads = [a / b for a, b in zip(ours.load_gbs, theirs.load_gbs)]
+        print(f"| {ours.name} / {theirs.name} | {spread(stores)} | {spread(loads)} |")
 
 
 if __name__ == "__main__":

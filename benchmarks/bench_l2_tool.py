@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-S3_BUCKET = "kvbench"
+from bench_l2 import S3_BUCKET, kvstore_spec, lmcache_s3_spec, start_s3
 
 
 @dataclass
@@ -51,15 +50,6 @@ class Pair:
     kvstore: dict
     lmcache: dict | None  # None: LMCache's side cannot run here (said why)
     reset: Callable[[], None]
-
-
-def kvstore_spec(url: str) -> dict:
-    return {
-        "type": "plugin",
-        "module_path": "kvstore_lmcache.l2_adapter",
-        "class_name": "KVStoreL2Adapter",
-        "adapter_params": {"tiers": [url], "timeout_s": 60},
-    }
 
 
 def run_tool(spec: dict, args: argparse.Namespace, out: Path, env: dict[str, str]) -> dict[str, dict]:
@@ -97,7 +87,7 @@ def pairs(kinds: list[str], root: Path) -> Iterator[list[Pair]]:
 
             reset_disk()
             out.append(
-                Pair("disk", kvstore_spec(f"file://{kd}?fsync=false"), {"type": "fs", "base_path": str(ld)}, reset_disk)
+                Pair("disk", kvstore_spec([f"file://{kd}?fsync=false"]), {"type": "fs", "base_path": str(ld)}, reset_disk)
             )
         if "redis" in kinds:
             from kvstore.testing.redis_server import RedisServer
@@ -109,41 +99,11 @@ def pairs(kinds: list[str], root: Path) -> Iterator[list[Pair]]:
                 server.command("FLUSHALL")
 
             out.append(
-                Pair("redis", kvstore_spec(server.url), {"type": "resp", "host": server.host, "port": server.port}, flush)
+                Pair("redis", kvstore_spec([server.url]), {"type": "resp", "host": server.host, "port": server.port}, flush)
             )
         if "s3" in kinds:
-            import boto3
-
-            from kvstore.testing.seaweed import SeaweedS3
-
-            s3 = SeaweedS3(extra_args=("-s3.domainName=localhost",)).start()
-            stack.callback(s3.stop)
-            s3.create_bucket(S3_BUCKET)
-            stack.enter_context(s3.credentials_env())  # kvstore's tier reads the standard AWS variables
-            client = boto3.client("s3", **s3.client_kwargs())
-            stack.callback(client.close)
-
-            def empty_bucket() -> None:
-                for page in client.get_paginator("list_objects_v2").paginate(Bucket=S3_BUCKET):
-                    for obj in page.get("Contents", []):
-                        client.delete_object(Bucket=S3_BUCKET, Key=obj["Key"])
-
-            lm_s3: dict | None = {
-                "type": "s3",
-                "s3_endpoint": f"s3://{S3_BUCKET}.localhost:{s3.ports.s3}",
-                "s3_region": s3.region,
-                "s3_num_io_threads": 8,
-                "s3_prefer_http2": False,
-                "disable_tls": True,
-                "aws_access_key_id": s3.access_key,
-                "aws_secret_access_key": s3.secret_key,
-            }
-            try:
-                socket.getaddrinfo(f"{S3_BUCKET}.localhost", s3.ports.s3)
-            except OSError:
-                print(f"  (lmcache s3 skipped: {S3_BUCKET}.localhost does not resolve)", flush=True)
-                lm_s3 = None
-            out.append(Pair("s3", kvstore_spec(s3.url(S3_BUCKET, "bench-l2-tool")), lm_s3, empty_bucket))
+            s3, empty_bucket = start_s3(stack)
+            out.append(Pair("s3", kvstore_spec([s3.url(S3_BUCKET, "bench-l2-tool")]), lmcache_s3_spec(s3), empty_bucket))
         yield out
 
 
