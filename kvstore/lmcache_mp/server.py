@@ -31,6 +31,7 @@ from typing import Any
 STATUS_MODULE = {"module_path": "kvstore.lmcache_mp.status_module", "factory_name": "build_server_modules"}
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 REPROBE_S = 2.0  # a readiness request unanswered this long is followed by another
+FRESH_PROBE_S = 10.0  # with none answered this long, the next requests go over a new connection
 
 
 class MPServerError(RuntimeError):
@@ -165,6 +166,13 @@ class MPServer:
         env.setdefault("LMCACHE_TRACK_USAGE", "false")
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("PYTHONFAULTHANDLER", "1")  # SIGABRT on a hung start dumps every thread's stack
+        # The log is a file: let it say what the server did at start (which modules and
+        # adapters it loaded), whatever level the calling process runs LMCache at.
+        env["LMCACHE_LOG_LEVEL"] = "INFO"
+        # prometheus_client's multiprocess mode writes into this directory; a caller's
+        # that no longer exists (a finished test's temporary directory) breaks the server.
+        if not Path(env.get("PROMETHEUS_MULTIPROC_DIR") or ".").is_dir():
+            del env["PROMETHEUS_MULTIPROC_DIR"]
         paths = [str(_REPO_ROOT), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env.update(self.env)
@@ -178,7 +186,8 @@ class MPServer:
         Ready means this process answered a request sent at spawn and queued by ZMQ
         until the server's transport binds (it logs ``LMCache cache server is
         running...`` then; the request does not depend on its log level); while none is
-        answered, another is sent every `REPROBE_S` seconds.  With the
+        answered, another is sent every `REPROBE_S` seconds, and after `FRESH_PROBE_S`
+        seconds without an answer they go over a new connection.  With the
         status module the answer names the server's pid, so another server on the same
         port is not taken for this one; without it the request is LMCache's ``noop``.
         Raises `MPServerError`, with the tail of the log, if the process exits or is not
@@ -231,11 +240,19 @@ class MPServer:
             )
         deadline = time.monotonic() + self.start_timeout
         # A request sent now waits in ZMQ's queue until the server binds and answers it.
-        probe = RequestClientFactory.create(self.url)
         # A request that reaches the server while it is still setting up can go unanswered,
         # so one with no answer after REPROBE_S is followed by another; any answer counts.
+        # With none answered for FRESH_PROBE_S, the requests go over a new client (a new
+        # connection): a connection that went wrong stays wrong, whatever is sent on it.
+        # Each new client also sends LMCache's ``noop``, so a server that answers it but
+        # not the status module's request is told apart from one that answers nothing.
+        probe = RequestClientFactory.create(self.url)
+        fresh = time.monotonic()
+        pending: list[Any] = []
+        noops: list[Any] = []
+        noop_seen = False
         try:
-            pending = [self._probe(probe)]
+            pending.append(self._probe(probe))
             sent, seen = time.monotonic(), "none"
             while True:
                 pending[-1].wait(0.2)
@@ -245,18 +262,26 @@ class MPServer:
                     if self._answered_by_us(result):
                         return
                     seen = repr(result)[:200]  # another process holds the port: wait for ours
-                if not pending or time.monotonic() - sent > REPROBE_S:
+                noop_seen = noop_seen or any(n.query() for n in noops)
+                now = time.monotonic()
+                if now - fresh > FRESH_PROBE_S and seen == "none":
+                    probe.close()
+                    probe = RequestClientFactory.create(self.url)
+                    fresh, pending, noops = now, [], [probe.noop()] if self.status_module else []
+                if not pending or now - sent > REPROBE_S:
                     pending.append(self._probe(probe))
-                    sent = time.monotonic()
+                    sent = now
                 if self._proc.poll() is not None:
                     code = self._reap()
                     raise MPServerError(f"MP server exited with code {code} during start\n{self.log_tail()}")
-                if time.monotonic() > deadline:
+                if now > deadline:
                     self._dump_stacks()
                     self.kill()
+                    noop = "; LMCache's noop was answered: the status module is not serving" if noop_seen else ""
                     raise _HungStart(
                         f"MP server not ready after {self.start_timeout:.0f}s (last answer to a readiness"
-                        f" request: {seen}; {len(pending)} unanswered)\n{self.log_tail(120)}"
+                        f" request: {seen}; {len(pending)} unanswered on the last connection{noop})\n"
+                        f"{self.log_tail(120)}"
                     )
         finally:
             probe.close()

@@ -223,6 +223,24 @@ def test_a_hung_start_is_retried_with_a_new_process(tmp_path: Path, monkeypatch:
     assert len(calls) == 2
 
 
+class _Future:
+    """A readiness request's answer as the harness sees it (`result` None: never answered)."""
+
+    def __init__(self, result: object | None) -> None:
+        self._result = result
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self._result is None:
+            time.sleep(timeout or 0)
+        return self._result is not None
+
+    def query(self) -> bool:
+        return self._result is not None
+
+    def result(self) -> object:
+        return self._result
+
+
 def test_an_unanswered_readiness_request_is_followed_by_another(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,32 +251,17 @@ def test_an_unanswered_readiness_request_is_followed_by_another(
 
     from kvstore.lmcache_mp import server as server_mod
 
-    class Future:
-        def __init__(self, result: object | None) -> None:
-            self._result = result
-
-        def wait(self, timeout: float | None = None) -> bool:
-            if self._result is None:
-                time.sleep(timeout or 0)
-            return self._result is not None
-
-        def query(self) -> bool:
-            return self._result is not None
-
-        def result(self) -> object:
-            return self._result
-
     server = MPServer(
         [], python=_hanging_python(tmp_path), log_path=tmp_path / "server.log", start_timeout=20
     )
     sent: list[float] = []
 
-    def probe(_client: object) -> Future:
+    def probe(_client: object) -> _Future:
         sent.append(time.monotonic())
         if len(sent) == 1:
-            return Future(None)  # lost: never answered
+            return _Future(None)  # lost: never answered
         assert server.pid is not None
-        return Future(types.SimpleNamespace(success=True, payload=json.dumps({"pid": server.pid}).encode()))
+        return _Future(types.SimpleNamespace(success=True, payload=json.dumps({"pid": server.pid}).encode()))
 
     monkeypatch.setattr(server_mod, "REPROBE_S", 0.3)
     monkeypatch.setattr(server, "_probe", probe)
@@ -267,3 +270,71 @@ def test_an_unanswered_readiness_request_is_followed_by_another(
         assert len(sent) == 2 and 0.3 <= sent[1] - sent[0] < 5
     finally:
         server.kill()
+
+
+def test_a_connection_that_answers_nothing_is_replaced_by_a_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many requests go over a connection that went wrong, none is answered:
+    after FRESH_PROBE_S without an answer the harness sends them over a new client, whose
+    answer counts, and closes every client it made."""
+    import json
+    import types
+
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    from kvstore.lmcache_mp import server as server_mod
+
+    class Client:
+        def __init__(self, n: int) -> None:
+            self.n = n
+            self.closed = False
+
+        def noop(self) -> _Future:
+            return _Future(None)
+
+        def close(self) -> None:
+            self.closed = True
+
+    clients: list[Client] = []
+
+    def create(url: str, **_: object) -> Client:
+        clients.append(Client(len(clients)))
+        return clients[-1]
+
+    server = MPServer(
+        [], python=_hanging_python(tmp_path), log_path=tmp_path / "server.log", start_timeout=20
+    )
+
+    def probe(client: Client) -> _Future:
+        if client.n == 0:
+            return _Future(None)  # the first connection never answers
+        assert server.pid is not None
+        return _Future(types.SimpleNamespace(success=True, payload=json.dumps({"pid": server.pid}).encode()))
+
+    monkeypatch.setattr(RequestClientFactory, "create", staticmethod(create))
+    monkeypatch.setattr(server_mod, "REPROBE_S", 0.2)
+    monkeypatch.setattr(server_mod, "FRESH_PROBE_S", 1.0)
+    monkeypatch.setattr(server, "_probe", probe)
+    try:
+        assert server.start() is server
+        assert len(clients) == 2 and all(c.closed for c in clients)
+    finally:
+        server.kill()
+
+
+def test_the_server_logs_at_info_and_drops_a_vanished_prometheus_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another part of the calling process may run LMCache quieter, or leave
+    PROMETHEUS_MULTIPROC_DIR naming a directory that is gone: the server's own log still
+    says what it loaded, and prometheus_client is not pointed at a missing directory."""
+    monkeypatch.setenv("LMCACHE_LOG_LEVEL", "ERROR")
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "gone"))
+    env = MPServer([], log_path=tmp_path / "server.log")._environment()
+    assert env["LMCACHE_LOG_LEVEL"] == "INFO" and "PROMETHEUS_MULTIPROC_DIR" not in env
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    assert MPServer([], log_path=tmp_path / "server.log")._environment()["PROMETHEUS_MULTIPROC_DIR"] == str(tmp_path)
+    assert MPServer([], log_path=tmp_path / "l", env={"LMCACHE_LOG_LEVEL": "DEBUG"})._environment()[
+        "LMCACHE_LOG_LEVEL"
+    ] == "DEBUG"
