@@ -319,8 +319,34 @@ def test_a_connection_that_answers_nothing_is_replaced_by_a_new_one(
     try:
         assert server.start() is server
         assert len(clients) == 2 and all(c.closed for c in clients)
+        # the same process answered: not a hung start retried with a new one
+        assert (tmp_path / "server.log").read_text().count("=== start") == 1
     finally:
         server.kill()
+
+
+def test_a_timeout_says_when_the_server_answered_noop_but_not_the_status_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lmcache.v1.multiprocess.transport.factory import RequestClientFactory
+
+    from kvstore.lmcache_mp import server as server_mod
+
+    class Client:
+        def noop(self) -> _Future:
+            return _Future("OK")  # the transport answers
+
+        def close(self) -> None:
+            pass
+
+    server = MPServer([], python=_hanging_python(tmp_path), log_path=tmp_path / "server.log", start_timeout=1.5)
+    monkeypatch.setattr(RequestClientFactory, "create", staticmethod(lambda url, **_: Client()))
+    monkeypatch.setattr(server_mod, "REPROBE_S", 0.2)
+    monkeypatch.setattr(server_mod, "FRESH_PROBE_S", 0.4)
+    monkeypatch.setattr(server, "_probe", lambda client: _Future(None))  # the status module never does
+    with pytest.warns(RuntimeWarning), pytest.raises(MPServerError, match="noop was answered"):
+        server.start()
+    assert not server.running
 
 
 def test_the_server_logs_at_info_and_drops_a_vanished_prometheus_directory(
