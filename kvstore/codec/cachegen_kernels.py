@@ -25,6 +25,7 @@ PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 15
 LANES = 4
 STATE_BYTES = 4 * LANES
+assert LANES == 4, "rans_encode / rans_decode keep one local per lane (w0..w3)"
 
 
 @njit(nogil=True, cache=True, inline="always")
