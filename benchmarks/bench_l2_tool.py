@@ -122,7 +122,6 @@ def main() -> None:
     args = p.parse_args()
     if shutil.which("lmcache") is None:
         raise SystemExit("the lmcache command is not on PATH: pip install lmcache")
-    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}
     mib = args.size_kb / 1024
     print(
         f"lmcache bench l2: {args.in_flight} submits x {args.num_keys} keys of {mib:.1f} MiB per round, "
@@ -130,7 +129,7 @@ def main() -> None:
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="kvstore-l2-tool-") as tmp, pairs(args.kinds.split(","), Path(tmp)) as todo:
-        env.update({k: v for k, v in os.environ.items() if k.startswith("AWS_")})  # set by credentials_env
+        env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1"}  # with the S3 server's AWS variables, if any
         rows = []
         for pair in todo:
             sides = {"kvstore": pair.kvstore, **({"lmcache": pair.lmcache} if pair.lmcache else {})}
