@@ -85,23 +85,6 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _bits_to_f32(dtype: torch.dtype) -> np.ndarray:
-    """float32 value of every 16-bit pattern of `dtype` (exact)."""
-    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
-    return bits.view(dtype).float().numpy()
-
-
-_LUTS: dict[torch.dtype, np.ndarray] = {}
-_NO_LUT = np.empty(0, np.float32)  # float32 input: `encode_f32` reads x itself
-
-
-def _lut(dtype: torch.dtype) -> np.ndarray:
-    t = _LUTS.get(dtype)
-    if t is None:
-        t = _LUTS[dtype] = _bits_to_f32(dtype)
-    return t
-
-
 class _Tables:
     """A codebook set flattened into the kernels' global arrays."""
 
@@ -184,8 +167,8 @@ def _warm_shapes(codec: CacheGenCodec) -> list[tuple[int, int, int, int]]:
 def warm_up(codec: CacheGenCodec | None = None) -> None:
     """Do now, in this thread, what a process's first chunk would otherwise pay for:
     initialise numba and load every kernel (from numba's on-disk cache, or compile it),
-    build the float16/bfloat16 decode tables and the codec's flattened codebook tables,
-    by coding a few tokens of each dtype through `codec` (the preset if None)."""
+    build the codec's flattened codebook tables, by coding a few tokens of each dtype
+    through `codec` (the preset if None)."""
     c = codec if codec is not None else CacheGenCodec(warm=False)
     if c.profile is not None:
         _tables(c.profile.codebook_set())
@@ -351,9 +334,13 @@ class CacheGenCodec(Codec):
         lengths = np.empty(S, np.int64)
         xk: np.ndarray
         if tensor.dtype == torch.float32:
-            kernel, xk, lut = encode_f32, x.numpy(), _NO_LUT
+            kernel, xk, bf16 = encode_f32, x.numpy(), 0
         else:
-            kernel, xk, lut = encode_u16, x.view(torch.int16).numpy().view(np.uint16), _lut(tensor.dtype)
+            kernel, xk, bf16 = (
+                encode_u16,
+                x.view(torch.int16).numpy().view(np.uint16),
+                int(tensor.dtype == torch.bfloat16),
+            )
         # One buffer for the whole payload, sized for the worst case (streams of 2 bytes
         # a symbol); only the pages written are ever touched.
         if R and not bool(torch.isfinite(x[:, :R]).all()):
@@ -377,7 +364,7 @@ class CacheGenCodec(Codec):
                 ranges,
                 xk,
                 R,
-                lut,
+                bf16,
                 inv,
                 mode,
                 maxq,

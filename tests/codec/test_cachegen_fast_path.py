@@ -8,7 +8,7 @@ from numba import njit
 
 from kvstore.codec import get
 from kvstore.codec.cachegen import CacheGenCodec, warm_up
-from kvstore.codec.cachegen_kernels import _bf16_bits, _f16_bits
+from kvstore.codec.cachegen_kernels import _bf16_bits, _f16_bits, _f16_value
 
 
 @njit(cache=False)
@@ -32,6 +32,37 @@ def test_half_conversions_match_torch_bit_for_bit():
     t = torch.from_numpy(x)
     assert (o16 == t.half().view(torch.int16).numpy().view(np.uint16)).all()
     assert (ob == t.bfloat16().view(torch.int16).numpy().view(np.uint16)).all()
+
+
+@njit(cache=False)
+def _widen(bits, out):
+    for i in range(bits.shape[0]):
+        out[i] = _f16_value(np.uint32(bits[i]))
+
+
+def test_float16_input_is_widened_exactly_as_torch_widens_it():
+    """The encoder reads float16 bits arithmetically (no table): every one of the 65536
+    patterns must give torch's float32, subnormals, signed zeros and infinities included."""
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    out = np.empty(65536, np.float32)
+    _widen(bits, out)
+    want = torch.from_numpy(bits.view(np.int16)).view(torch.float16).float().numpy()
+    nan = np.isnan(want)
+    assert (np.isnan(out) == nan).all()
+    assert (out.view(np.uint32)[~nan] == want.view(np.uint32)[~nan]).all()
+
+
+def test_every_16_bit_input_pattern_codes_like_its_float32_value():
+    """A float16 / bfloat16 chunk holding every finite bit pattern encodes to the same
+    payload as the same values given as float32 (the quantizer works on float32)."""
+    c = get("cachegen", preset="lmcache")
+    for dtype in (torch.float16, torch.bfloat16):
+        x = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+        x = x[torch.isfinite(x)]
+        x = x[: x.numel() // 64 * 64].view(2, 1, -1, 32)
+        got = c.decode(c.encode(x))
+        want = c.decode(c.encode(x.float())).to(dtype)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
 def test_decode_into_strided_or_float32_out_equals_plain_decode():
