@@ -17,7 +17,7 @@ The quantizer reproduces LMCache's CacheGen arithmetic in float32:
 Indexing: numba wraps a negative signed index around (a compare and a select on every
 access, and loops it will not vectorize); an unsigned one it uses as it is.  The hot
 loops index with ``_u(i)`` where ``i >= 0`` by construction, and walk flat views with
-offsets they compute themselves: the rANS coders run 30-45% faster so, bit-identically.
+offsets they compute themselves: the rANS coders take 30-45% less time so, bit-identically.
 """
 
 from __future__ import annotations
