@@ -249,17 +249,24 @@ def first_chunk_child(path: str, opts: dict, scenario: str) -> None:
     print(json.dumps(res))
 
 
-def first_chunk(args: argparse.Namespace) -> None:
+def heldout_chunks(
+    prefix: int, chunk: int, dtype: torch.dtype = torch.float16
+) -> list[tuple[str, torch.Tensor]]:
+    """Real SmolLM2-135M KV of the `heldout-mix` texts (texts the profiles were not
+    calibrated on): each text's first `prefix` tokens, cut into chunks of `chunk` tokens,
+    labelled ``text@first_token``."""
     lm = kvmodel.load_model()
     chunks: list[tuple[str, torch.Tensor]] = []
     for label, text in kvmodel.labelled_texts("heldout-mix"):
-        ids = kvmodel.token_ids(lm, text, args.prefix)
-        kv, _ = kvmodel.capture_kv(lm, ids)
+        kv, _ = kvmodel.capture_kv(lm, kvmodel.token_ids(lm, text, prefix))
         chunks += [
-            (f"{label}@{i}", kv[:, :, i : i + args.chunk].half().contiguous())
-            for i in range(0, args.prefix, args.chunk)
+            (f"{label}@{i}", kv[:, :, i : i + chunk].to(dtype).contiguous()) for i in range(0, prefix, chunk)
         ]
-    del lm
+    return chunks
+
+
+def first_chunk(args: argparse.Namespace) -> None:
+    chunks = heldout_chunks(args.prefix, args.chunk)
     configs = [(n, o) for n, o in FIRST_CONFIGS if not args.configs or n in args.configs.split(",")]
     scenarios = ["open", "cold"]
     env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")

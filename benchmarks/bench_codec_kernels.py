@@ -9,8 +9,8 @@ over every chunk after a warm round, as MB/s of 16-bit KV per CPU-second, and th
 (above 1.0: this tree is faster).  The other tree's payload and decoded values are
 compared byte for byte with this tree's; a difference fails the run.
 
-Chunks: SmolLM2-135M KV from the `heldout-mix` texts (as `bench_codec.py --first-chunk`),
-256 tokens each.
+Chunks: `bench_codec.heldout_chunks` (real SmolLM2-135M KV, the texts `bench_codec.py
+--first-chunk` uses), 256 tokens each.
 
 Usage:
     git archive <rev> | tar -x -C /tmp/old
@@ -34,7 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvstore.codec import cachegen, get, kvmodel
+from bench_codec import heldout_chunks
+
+from kvstore.codec import cachegen, get
 from kvstore.codec import cachegen_kernels as this
 
 CONFIGS = [
@@ -140,13 +142,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     other = load_kernels(args.against)
-    lm = kvmodel.load_model()
-    dtype = getattr(torch, args.dtype)
-    chunks = []
-    for _, text in kvmodel.labelled_texts("heldout-mix"):
-        kv, _ = kvmodel.capture_kv(lm, kvmodel.token_ids(lm, text, 1024))
-        chunks += [kv[:, :, i : i + 256].to(dtype).contiguous() for i in range(0, 1024, 256)]
-    del lm
+    chunks = [c for _, c in heldout_chunks(1024, 256, getattr(torch, args.dtype))]
     cap = Capture()
     print(f"{len(chunks)} chunks {list(chunks[0].shape)} {args.dtype}; other tree: {args.against}")
     print(
