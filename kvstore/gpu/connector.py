@@ -46,6 +46,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from kvstore.gpu.direct import DirectCopier, LayerCopies, TokenSpans
 from kvstore.gpu.layout import KVLayout
 from kvstore.gpu.paged import PagedKVCache
+from kvstore.gpu.pipeline import LayerPipeline
 from kvstore.gpu.staging import DeviceScratch, PinnedPool
 from kvstore.gpu.transfer import CopyStream, HostBatch
 
@@ -325,7 +326,24 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
       ``next()`` once more: the caller's stream waits for the last layer, the host waits
       for every copy that still reads host memory, staging buffers go back to the pool.
       L + 2 steps in all.
+
+    ``pipeline``: how layers move when the caches are on CUDA and the memory objects in
+    pinned host memory (LMCache's pool): ``None`` (default) takes the two-stream
+    pipeline of :mod:`kvstore.gpu.pipeline` there (a layer's gather or scatter kernel
+    overlaps its neighbour's copies); ``True`` takes it for any objects (on CPU it runs
+    inline: tests); ``False`` keeps the single-stream gather/scatter + copy path.
     """
+
+    def __init__(
+        self, kv_caches: Sequence[torch.Tensor] | None = None, *, pipeline: bool | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(kv_caches, **kwargs)
+        self.pipeline = pipeline
+        # Second stream and second scratch buffer of each direction's pipeline.
+        self.store_kernels = CopyStream(self.device)
+        self.load_kernels = CopyStream(self.device)
+        self._store_scratch_b = DeviceScratch(self.device)
+        self._load_scratch_b = DeviceScratch(self.device)
 
     @property
     def _fmt(self) -> MemoryFormat:
@@ -361,10 +379,17 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         sync = bool(kwargs.get("sync", True))
         if len(memory_objs) != paged.num_layers:
             raise ValueError(f"expected memory objects for {paged.num_layers} layers, got {len(memory_objs)}")
-        tensors = [[self._tensor(o) for o in objs] for objs in memory_objs]
-        copier = self._copier_for(paged, [t for layer in tensors for t in layer], layerwise=True)
-        if copier is not None:
-            yield from self._direct_from_gpu(copier, memory_objs, tensors, starts, ends, slot_mapping, sync)
+        if self.row_copy and not self.stage_all:  # (the row copy is layerwise only when asked for)
+            tensors = [[self._tensor(o) for o in objs] for objs in memory_objs]
+            copier = self._copier_for(paged, [t for layer in tensors for t in layer], layerwise=True)
+            if copier is not None:
+                yield from self._direct_from_gpu(
+                    copier, memory_objs, tensors, starts, ends, slot_mapping, sync
+                )
+                return
+        first = [self._tensor(o) for o in memory_objs[0]] if memory_objs else []
+        if self._takes_pipeline(first):
+            yield from self._pipelined_from_gpu(paged, memory_objs, first, starts, ends, slot_mapping, sync)
             return
         k = paged.layout.kv_size
         spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
@@ -411,6 +436,46 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         batch.release()
         yield
 
+    def _takes_pipeline(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether a request whose first layer's objects are ``tensors`` takes the
+        two-stream pipeline (decided once per request, from its first layer)."""
+        if self.pipeline is not None:
+            return self.pipeline and not self.stage_all
+        return (
+            self.store_copies.is_async
+            and not self.stage_all
+            and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+        )
+
+    def _pipelined_from_gpu(self, paged, memory_objs, first, starts, ends, slot_mapping, sync):
+        """Layerwise store through :class:`LayerPipeline`: layer i is queued before layer
+        i - 1 is waited for, and its gather overlaps layer i - 1's copies."""
+        spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
+        kept = [slot_mapping[s:e] for s, e in zip(starts, ends, strict=True)]
+        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
+        pipe = LayerPipeline(
+            paged,
+            rows,
+            spans,
+            copies=self.store_copies,
+            kernels=self.store_kernels,
+            scratch=(self._store_scratch, self._store_scratch_b),
+        )
+        fmt = self._fmt
+        previous: torch.cuda.Event | None = None
+        for layer, objs in enumerate(memory_objs):
+            dsts = first if layer == 0 else [self._tensor(o) for o in objs]
+            event = pipe.store_layer(layer, dsts)
+            for obj in objs:
+                obj.metadata.fmt = fmt
+            if sync and previous is not None:
+                previous.synchronize()  # layer - 1 is complete when this step returns
+            previous = event
+            yield
+        if sync and previous is not None:
+            previous.synchronize()
+        yield
+
     def _direct_from_gpu(self, copier, memory_objs, tensors, starts, ends, slot_mapping, sync):
         """Layerwise store as one row copy per layer: layer i is queued before layer i-1
         is waited for, so the copy stream never idles while the host waits."""
@@ -447,6 +512,54 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                     batch.to_device(src, scratch[a:b])
             paged.scatter_layer(layer, rows, scratch)
 
+    def _sent(self, layer: int, objs: Sequence[MemoryObj] | None, chunks: int) -> list[torch.Tensor]:
+        """The tensors of the memory objects sent for ``layer``, checked."""
+        if objs is None or len(objs) != chunks:
+            raise ValueError(
+                f"layer {layer}: send() {chunks} memory objects (one per chunk), got "
+                f"{None if objs is None else len(objs)}"
+            )
+        for obj in objs:
+            self._check_fmt(obj, self._fmt)
+        return [self._tensor(obj) for obj in objs]
+
+    def _pipelined_to_gpu(self, paged, objs, full, starts, ends, skips, slot_mapping, sync):
+        """Layerwise load through :class:`LayerPipeline`, from the first layer's objects
+        on: layer i's copies overlap layer i - 1's scatter."""
+        kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
+        spans = self._spans([len(k) for k in kept])
+        cached = any(skips)
+        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
+        pipe = LayerPipeline(
+            paged,
+            rows,
+            spans,
+            copies=self.load_copies,
+            kernels=self.load_kernels,
+            scratch=(self._load_scratch, self._load_scratch_b),
+        )
+        held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
+        last = paged.num_layers - 1
+        for layer in range(paged.num_layers):
+            if layer:
+                objs = yield
+                full = self._sent(layer, objs, len(spans))
+            srcs = [t[skip:] if skip else t for t, skip in zip(full, skips, strict=True)] if cached else full
+            pipe.load_layer(layer, srcs, caller_waits=sync)  # compute on layer - 1 sees its KV
+            if self.load_copies.is_async:
+                for obj in objs:
+                    obj.ref_count_up()
+                    held.append(obj)
+        yield
+        if sync:
+            pipe.caller_waits(last)
+        # The engine drops its references right after the last send(); the copies read
+        # those objects until the last layer's scatter is done.
+        pipe.host_waits(last)
+        for obj in held:
+            obj.ref_count_down()
+        yield
+
     def batched_to_gpu(self, starts=None, ends=None, **kwargs: Any) -> Generator[None, Any, None]:
         paged = self._bind(kwargs)
         slot_mapping = self._slot_mapping(kwargs)
@@ -464,14 +577,10 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             objs = yield
             if sync:
                 self.load_copies.current_waits()  # compute on layer-1 sees its KV
-            if objs is None or len(objs) != len(spans):
-                raise ValueError(
-                    f"layer {layer}: send() {len(spans)} memory objects (one per chunk), got "
-                    f"{None if objs is None else len(objs)}"
-                )
-            for obj in objs:
-                self._check_fmt(obj, self._fmt)
-            full = [self._tensor(obj) for obj in objs]
+            full = self._sent(layer, objs, len(spans))
+            if layer == 0 and self._takes_pipeline(full):
+                yield from self._pipelined_to_gpu(paged, objs, full, starts, ends, skips, slot_mapping, sync)
+                return
             copier = self._copier_for(paged, full, layerwise=True)
             with self.load_copies.scope():
                 if copier is not None:

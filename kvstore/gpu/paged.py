@@ -146,6 +146,26 @@ class PagedKVCache:
         self._check_chunk(src, self.layout.layer_chunk_shape(num_tokens), f"layer {layer} tensor")
         self._copy(layer, rows, src)
 
+    # -- one layer, checked once: for a pipeline issuing one call per layer ------------
+
+    def layer_words(self, t: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``t``, a contiguous ``[T, K, W]`` (MLA ``[T, W]``) layer tensor of ``num_tokens``
+        tokens, as the word rows :meth:`gather_words` / :meth:`scatter_words` move: the
+        checks of :meth:`gather_layer` made once, for a buffer used for every layer."""
+        self._check_chunk(t, self.layout.layer_chunk_shape(num_tokens), "layer buffer")
+        words = _as_words(t, self._word) if t.is_contiguous() else None
+        if words is None:
+            raise ValueError("a layer buffer must be contiguous and aligned to the cache's word size")
+        return words.view(-1, self._word_tables[0].shape[1])
+
+    def gather_words(self, layer: int, rows: torch.Tensor, words: torch.Tensor) -> None:
+        """:meth:`gather_layer` into ``words`` from :meth:`layer_words`."""
+        torch.index_select(self._word_tables[layer], 0, rows, out=words)
+
+    def scatter_words(self, layer: int, rows: torch.Tensor, words: torch.Tensor) -> None:
+        """:meth:`scatter_layer` from ``words`` from :meth:`layer_words`."""
+        self._word_tables[layer].index_copy_(0, rows, words)
+
     @property
     def is_mla(self) -> bool:
         return self.layout.kind is KVLayout.MLA

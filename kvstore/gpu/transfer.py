@@ -30,6 +30,7 @@ class CopyStream:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._events: dict[str, list[torch.cuda.Event]] = {}
 
     @property
     def is_async(self) -> bool:
@@ -62,6 +63,17 @@ class CopyStream:
         event = torch.cuda.Event()
         event.record(self.stream)
         return event
+
+    def events(self, n: int, tag: str) -> list[torch.cuda.Event]:
+        """``n`` events kept under ``tag`` for reuse (made once; each request re-records
+        them, which is safe: a wait takes the record in place when the wait is queued);
+        none on CPU."""
+        if self.stream is None:
+            return []
+        have = self._events.setdefault(tag, [])
+        while len(have) < n:
+            have.append(torch.cuda.Event())
+        return have[:n]
 
     def synchronize(self) -> None:
         """Block the host until the copy stream is drained."""

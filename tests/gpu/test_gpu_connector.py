@@ -23,8 +23,18 @@ ALLOC = AdHocMemoryAllocator("cpu")
 PATHS = {"gather": {"row_copy": False}, "staged": {"stage_all": True}, "rowcopy": {"row_copy": True}}
 
 
+# Layerwise adds the two-stream pipeline (kvstore.gpu.pipeline; CUDA with pinned objects
+# by default, forced here so its buffer and span bookkeeping runs inline on CPU).
+LAYER_PATHS = {**PATHS, "pipeline": {"pipeline": True}}
+
+
 @pytest.fixture(params=sorted(PATHS))
 def path(request) -> str:
+    return request.param
+
+
+@pytest.fixture(params=sorted(LAYER_PATHS))
+def layer_path(request) -> str:
     return request.param
 
 
@@ -113,12 +123,14 @@ def _layer_objs(conn, starts, ends, dtype):
     ]
 
 
-def test_layerwise_store_protocol(layout, path):
+def test_layerwise_store_protocol(layout, layer_path):
     """L + 1 next() calls; call c queues layer c and completes layer c - 1 (the engine puts
-    that one when the call returns); layers after c are untouched. On CPU the direct path
-    finishes a layer as it is queued; the staged path only at the next call."""
+    that one when the call returns); layers after c are untouched. On CPU the direct layer_path
+    finishes a layer as it is queued; the staged layer_path only at the next call."""
     caches, slots, starts, ends = _sequence(layout, seed=8)
-    conn = LayerwisePagedKVConnector(caches, pool=PinnedPool(min_buffer_bytes=1024), **PATHS[path])
+    conn = LayerwisePagedKVConnector(
+        caches, pool=PinnedPool(min_buffer_bytes=1024), **LAYER_PATHS[layer_path]
+    )
     objs = _layer_objs(conn, starts, ends, caches[0].dtype)
     for layer_objs in objs:
         for obj in layer_objs:
@@ -133,7 +145,7 @@ def test_layerwise_store_protocol(layout, path):
     fmt = MemoryFormat.KV_MLA_FMT if layout == "mla" else MemoryFormat.KV_T2D
     for call in range(num_layers + 1):
         next(gen)
-        complete_upto = call - 1 if path == "staged" else call
+        complete_upto = call - 1 if layer_path == "staged" else call
         for layer in range(num_layers):
             for obj, w in zip(objs[layer], want[layer]):
                 got = obj.tensor.reshape(w.shape)
@@ -146,7 +158,7 @@ def test_layerwise_store_protocol(layout, path):
         next(gen)
 
 
-def test_layerwise_load_protocol(layout, path):
+def test_layerwise_load_protocol(layout, layer_path):
     """next(), then send(layer i objects) for each layer, then next(): L + 2 steps."""
     caches, slots, starts, ends = _sequence(layout, seed=10)
     store = LayerwisePagedKVConnector(caches)
@@ -156,7 +168,7 @@ def test_layerwise_load_protocol(layout, path):
         pass
 
     fresh = make_caches(layout, fill="zeros")
-    load = LayerwisePagedKVConnector(fresh, pool=PinnedPool(min_buffer_bytes=1024), **PATHS[path])
+    load = LayerwisePagedKVConnector(fresh, pool=PinnedPool(min_buffer_bytes=1024), **LAYER_PATHS[layer_path])
     gen = load.batched_to_gpu(starts, ends, kvcaches=fresh, slot_mapping=slots, sync=True)
     next(gen)
     dst, src = PagedKVCache(fresh), PagedKVCache(caches)
@@ -172,14 +184,14 @@ def test_layerwise_load_protocol(layout, path):
     assert torch.equal(dst.gather(slots), src.gather(slots))
 
 
-def test_layerwise_load_skips_vllm_cached_tokens_and_checks_send(path):
+def test_layerwise_load_skips_vllm_cached_tokens_and_checks_send(layer_path):
     caches, slots, starts, ends = _sequence("mla", seed=11)
     store = LayerwisePagedKVConnector(caches)
     objs = _layer_objs(store, starts, ends, caches[0].dtype)
     for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots):
         pass
     fresh = make_caches("mla", fill="zeros")
-    load = make_connector(fresh, layerwise=True, **PATHS[path])
+    load = make_connector(fresh, layerwise=True, **LAYER_PATHS[layer_path])
     gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, vllm_cached_tokens=33, sync=False)
     next(gen)
     for layer in range(load.num_layers):

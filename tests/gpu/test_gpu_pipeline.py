@@ -1,0 +1,276 @@
+"""The layerwise two-stream pipeline (kvstore.gpu.pipeline) on CUDA, as LMCache's engine
+drives it with objects from its pinned pool: every byte lands where it belongs when the
+caller writes each layer just before storing it, when the caller reads each loaded layer
+right after its wait, and when requests follow each other without the host waiting.
+Pieces are LMCache-sized (1 MiB), so copies and kernels really run side by side."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+from kvstore.gpu import PagedKVCache
+from kvstore.gpu.connector import LayerwisePagedKVConnector
+
+pytestmark = pytest.mark.gpu
+
+LAYERS, BLOCKS, BLOCK, HEADS, HEAD = 6, 96, 16, 8, 128
+CHUNK = 256
+
+
+def _caches(fill: str = "zeros", seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (2, BLOCKS, BLOCK, HEADS, HEAD)
+    if fill == "zeros":
+        return [torch.zeros(shape, dtype=torch.bfloat16, device="cuda") for _ in range(LAYERS)]
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16).cuda() for _ in range(LAYERS)]
+
+
+def _slots(tokens: int, seed: int, after: int = 0) -> torch.Tensor:
+    """Slots of ``tokens`` tokens on shuffled blocks; ``after`` skips the first blocks of
+    the shuffle (requests with the same seed and disjoint ranges share no slot)."""
+    order = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed))
+    blocks = order[after : after + -(-tokens // BLOCK)]
+    t = torch.arange(tokens)
+    return (blocks[t // BLOCK] * BLOCK + t % BLOCK).cuda()
+
+
+def _objs(conn: LayerwisePagedKVConnector, lengths: list[int]) -> list[list[TensorMemoryObj]]:
+    out = []
+    for _ in range(LAYERS):
+        layer = []
+        for n in lengths:
+            shape = conn.get_shape(n)
+            raw = torch.full((shape.numel() * 2,), 0x7F, dtype=torch.uint8, pin_memory=True)
+            meta = MemoryObjMetadata(
+                shape=shape,
+                dtype=torch.bfloat16,
+                address=0,
+                phy_size=raw.numel(),
+                ref_count=1,
+                pin_count=0,
+                fmt=MemoryFormat.KV_T2D,
+                shapes=[shape],
+                dtypes=[torch.bfloat16],
+            )
+            layer.append(TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None))
+        out.append(layer)
+    return out
+
+
+def _spans(lengths: list[int]) -> tuple[list[int], list[int]]:
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += n
+    return starts, [s + n for s, n in zip(starts, lengths)]
+
+
+def _want(caches: list[torch.Tensor], slots: torch.Tensor, layer: int, s: int, e: int) -> torch.Tensor:
+    return PagedKVCache(caches).gather(slots[s:e])[:, layer].transpose(0, 1).cpu()  # [T, K, W]
+
+
+def test_store_reads_each_layer_after_the_caller_wrote_it():
+    """The caller writes layer i (after a slow kernel) and then steps the store: the
+    gather must wait for that write, so the objects hold the new values, not zeros."""
+    lengths = [CHUNK] * 4 + [100]
+    starts, ends = _spans(lengths)
+    slots = _slots(ends[-1], seed=1)
+    caches, values = _caches(), _caches("random", seed=2)
+    conn = LayerwisePagedKVConnector(caches)
+    objs = _objs(conn, lengths)
+    gen = conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True)
+    for layer in range(LAYERS):
+        torch.cuda._sleep(2_000_000)  # a slow attention on the caller's stream
+        caches[layer].copy_(values[layer])
+        next(gen)
+        if layer:  # the engine puts layer - 1 right after this step returns
+            for obj, s, e in zip(objs[layer - 1], starts, ends):
+                assert torch.equal(obj.tensor.view(e - s, 2, -1), _want(values, slots, layer - 1, s, e))
+    next(gen)
+    for layer in range(LAYERS):
+        for obj, s, e in zip(objs[layer], starts, ends):
+            assert torch.equal(obj.tensor.view(e - s, 2, -1), _want(values, slots, layer, s, e)), layer
+            assert obj.metadata.fmt == MemoryFormat.KV_T2D
+
+
+def test_load_is_visible_to_the_callers_next_kernel():
+    """After send(layer i + 1) the caller's stream waits for layer i: a copy of layer i's
+    cache queued right then sees the loaded values."""
+    lengths = [CHUNK] * 4
+    starts, ends = _spans(lengths)
+    slots = _slots(ends[-1], seed=3)
+    src = _caches("random", seed=4)
+    store = LayerwisePagedKVConnector(src)
+    objs = _objs(store, lengths)
+    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
+        pass
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh)
+    seen = []
+    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True)
+    next(gen)
+    gen.send(objs[0])
+    for layer in range(LAYERS):
+        if layer + 1 < LAYERS:
+            gen.send(objs[layer + 1])
+        else:
+            next(gen)
+        seen.append(fresh[layer].clone())  # "attention" on layer `layer`
+    with pytest.raises(StopIteration):
+        next(gen)
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(
+            PagedKVCache(seen).gather(slots)[:, layer], PagedKVCache(src).gather(slots)[:, layer]
+        )
+
+
+def test_back_to_back_requests_without_host_waits():
+    """Two stores with sync=False queued before either finishes (the scratch buffers and
+    events are reused across them), then two loads (one keeping vLLM's cached prefix):
+    every object and every slot ends up right."""
+    caches = _caches("random", seed=5)
+    conn = LayerwisePagedKVConnector(caches)
+    a_len, b_len = [CHUNK] * 4, [CHUNK, 37]
+    a_slots = _slots(sum(a_len), seed=6)
+    b_slots = _slots(sum(b_len), seed=6, after=sum(a_len) // BLOCK)  # disjoint from a's
+    a_starts, a_ends = _spans(a_len)
+    b_starts, b_ends = _spans(b_len)
+    a_objs, b_objs = _objs(conn, a_len), _objs(conn, b_len)
+    for objs, starts, ends, slots in (
+        (a_objs, a_starts, a_ends, a_slots),
+        (b_objs, b_starts, b_ends, b_slots),
+    ):
+        for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=False):
+            pass
+    conn.store_copies.synchronize()
+    for objs, starts, ends, slots in (
+        (a_objs, a_starts, a_ends, a_slots),
+        (b_objs, b_starts, b_ends, b_slots),
+    ):
+        for layer in range(LAYERS):
+            for obj, s, e in zip(objs[layer], starts, ends):
+                assert torch.equal(obj.tensor.view(e - s, 2, -1), _want(caches, slots, layer, s, e))
+
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh)
+    for objs, starts, ends, slots, cached in (
+        (a_objs, a_starts, a_ends, a_slots, 300),
+        (b_objs, b_starts, b_ends, b_slots, 0),
+    ):
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=False, vllm_cached_tokens=cached)
+        next(gen)
+        for layer in range(LAYERS):
+            gen.send(objs[layer])
+        next(gen)
+    torch.cuda.synchronize()
+    got, want = PagedKVCache(fresh).gather(a_slots), PagedKVCache(caches).gather(a_slots)
+    assert torch.count_nonzero(got[:, :, :300]) == 0
+    assert torch.equal(got[:, :, 300:], want[:, :, 300:])
+    assert torch.equal(PagedKVCache(fresh).gather(b_slots), PagedKVCache(caches).gather(b_slots))
+
+
+def test_pipeline_and_single_stream_paths_agree():
+    lengths = [CHUNK, CHUNK, 11]
+    starts, ends = _spans(lengths)
+    slots = _slots(ends[-1], seed=8)
+    caches = _caches("random", seed=9)
+    results = []
+    for pipeline in (True, False):
+        conn = LayerwisePagedKVConnector(caches, pipeline=pipeline)
+        objs = _objs(conn, lengths)
+        for _ in conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots):
+            pass
+        results.append([[o.tensor.clone() for o in layer] for layer in objs])
+    for a, b in zip(*results):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+# A slow stream (a busy PCIe link, a long kernel) held up with torch.cuda._sleep: each
+# wait between the pipeline's streams must then hold, where on an idle GPU the host is
+# usually slow enough to hide a missing one.
+_HOLD = 20_000_000  # GPU cycles: milliseconds at any clock
+
+
+def _hold(stream: torch.cuda.Stream | None) -> None:
+    assert stream is not None
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(_HOLD)
+
+
+def test_store_keeps_a_scratch_buffer_until_its_copies_have_read_it():
+    """Copies held up after layer 0: the gathers run ahead, and the gather of layer i + 2
+    must not overwrite the buffer layer i's copies have yet to read."""
+    lengths = [CHUNK] * 4
+    starts, ends = _spans(lengths)
+    slots = _slots(ends[-1], seed=10)
+    caches = _caches("random", seed=11)
+    conn = LayerwisePagedKVConnector(caches)
+    objs = _objs(conn, lengths)
+    gen = conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=False)
+    next(gen)
+    _hold(conn.store_copies.stream)
+    for _ in gen:
+        pass
+    conn.store_copies.synchronize()
+    for layer in range(LAYERS):
+        for obj, s, e in zip(objs[layer], starts, ends):
+            assert torch.equal(obj.tensor.view(e - s, 2, -1), _want(caches, slots, layer, s, e)), layer
+
+
+def test_load_keeps_a_scratch_buffer_until_its_scatter_has_read_it():
+    """Scatters held up after layer 0: the copies run ahead, and the copies of layer
+    i + 2 must not overwrite the buffer layer i's scatter has yet to read."""
+    lengths = [CHUNK] * 4
+    starts, ends = _spans(lengths)
+    slots = _slots(ends[-1], seed=12)
+    src = _caches("random", seed=13)
+    store = LayerwisePagedKVConnector(src)
+    objs = _objs(store, lengths)
+    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
+        pass
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh)
+    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=False)
+    next(gen)
+    gen.send(objs[0])
+    _hold(load.load_kernels.stream)
+    for layer in range(1, LAYERS):
+        gen.send(objs[layer])
+    next(gen)
+    torch.cuda.synchronize()
+    assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
+
+
+def test_callers_stream_waits_for_each_loaded_layer_behind_a_slow_link():
+    """Every copy held up from the start: the caller's reads of layer i, queued after
+    send(layer i + 1), must wait for it rather than see the zeros still there."""
+    lengths = [CHUNK] * 4
+    starts, ends = _spans(lengths)
+    slots = _slots(ends[-1], seed=14)
+    src = _caches("random", seed=15)
+    store = LayerwisePagedKVConnector(src)
+    objs = _objs(store, lengths)
+    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
+        pass
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh)
+    _hold(load.load_copies.stream)
+    seen = []
+    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True)
+    next(gen)
+    gen.send(objs[0])
+    for layer in range(LAYERS):
+        if layer + 1 < LAYERS:
+            gen.send(objs[layer + 1])
+        else:
+            next(gen)
+        seen.append(fresh[layer].clone())
+    torch.cuda.synchronize()
+    for layer in range(LAYERS):
+        assert torch.equal(
+            PagedKVCache(seen).gather(slots)[:, layer], PagedKVCache(src).gather(slots)[:, layer]
+        )
