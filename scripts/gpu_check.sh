@@ -3,7 +3,8 @@
 # a short time): the CUDA tests of kvstore.gpu (paged gather/scatter, staging pool,
 # both connectors, LMCache's own engine over GPU caches), then
 # benchmarks/bench_gpu_connector.py for each KV layout (pinned memory objects, with and
-# without the one-launch row copy; pageable ones through the staging pool).
+# without the one-launch row copy; pageable ones through the staging pool), then
+# benchmarks/bench_gpu_layerwise.py (what bounds a layerwise pass, and its host costs).
 #
 #   bash scripts/gpu_check.sh            # results and logs in $OUT (default /tmp/kvstore-gpu-check)
 #
@@ -45,8 +46,13 @@ for run in "flash_attn --profile" "flash_attn --row-copy off" \
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 done
 
+echo "== bench_gpu_layerwise.py" | tee -a "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_gpu_layerwise.py --repeats "${REPEATS:-21}" \
+  --json "$OUT/json/layerwise.json" 2>&1 | grep -v " INFO" | tee -a "$OUT/bench.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
 tar -C "$OUT" -czf "$OUT/bench_json.tgz" json && rm -rf "$OUT/json"
 echo "== summary"
 tail -n 1 "$OUT/pytest.log"
-grep -E "^(==|store_|load_|layerwise|-- .* breakdown)" "$OUT/bench.log"
+grep -E "^(==|store|load|layerwise|-- .* breakdown)" "$OUT/bench.log"
 exit $status

@@ -1,0 +1,354 @@
+"""Benchmark: what bounds a layerwise pass on CUDA, and where its time goes.
+
+A layerwise pass moves L x N pieces: LMCache allocates one memory object per layer and
+chunk, so whatever moves the bytes, a DMA path issues one copy per piece. This script
+times, interleaved in one process on the geometry of ``bench_gpu_connector.py``:
+
+``copy_``       one pinned <-> device copy of all the bytes (the goal's baseline);
+``pieces``      the same bytes as L x N copies between one device buffer and the memory
+                objects, back to back on one stream, no gather, no events, no waits: the
+                floor of any DMA path over LMCache's objects;
+``pieces/2``    the same, alternating two streams (copy engines overlap their set-up);
+``minimal``     a gather (store) / scatter (load) per layer plus the N copies on one
+                stream, written as plainly as torch allows, with the connector's ordering
+                (store: layer i is queued before layer i-1 is waited for; load: compute
+                waits per layer);
+``connector``   ``LayerwisePagedKVConnector`` as LMCache's engine drives it (sync=True):
+                the two-stream pipeline of ``kvstore.gpu.pipeline``;
+``connector, one stream``  the same with ``pipeline=False`` (gather/scatter and copies on
+                one stream, the path before the pipeline);
+``issue only``  the connector with sync=False, host time only: what Python costs per layer.
+
+and the host cost (median microseconds) of each call a layer makes. Ratios are
+``t(copy_) / t(mode)`` per interleaved pair, min / median / max.
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_gpu_layerwise.py [--repeats 21] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from bench_gpu_connector import _caches, _memobj, _slot_mapping
+from lmcache.v1.memory_management import MemoryFormat
+
+from kvstore.gpu.connector import LayerwisePagedKVConnector
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _once(fn: Callable[[], None], cuda: bool) -> float:
+    _sync(cuda)
+    t0 = time.perf_counter()
+    fn()
+    _sync(cuda)
+    return time.perf_counter() - t0
+
+
+def _host_us(fn: Callable[[], object], cuda: bool, calls: int = 200) -> float:
+    """Median host microseconds of one call (device work drained between batches)."""
+    samples = []
+    for _ in range(5):
+        _sync(cuda)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+        _sync(cuda)
+    return statistics.median(samples)
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16
+    caches = _caches(args, device, dtype)
+    fresh = [torch.zeros_like(c) for c in caches]
+    tokens = args.chunks * args.chunk_size
+    slots = _slot_mapping(args, tokens, device)
+    starts = [i * args.chunk_size for i in range(args.chunks)]
+    ends = [s + args.chunk_size for s in starts]
+    conn = LayerwisePagedKVConnector(caches, row_copy=False)
+    single = LayerwisePagedKVConnector(caches, row_copy=False, pipeline=False)
+    shape = conn.get_shape(args.chunk_size)
+    objs = [[_memobj(shape, dtype, MemoryFormat.KV_T2D, cuda) for _ in starts] for _ in range(args.layers)]
+    hosts = [[o.tensor for o in layer] for layer in objs]
+    piece = hosts[0][0].numel() * hosts[0][0].element_size()
+    nbytes = piece * args.layers * args.chunks
+    dev_all = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    host_all = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda).fill_(2)
+    dev_pieces = [
+        [
+            dev_all[(li * args.chunks + c) * piece : (li * args.chunks + c + 1) * piece]
+            .view(dtype)
+            .view(shape)
+            for c in range(args.chunks)
+        ]
+        for li in range(args.layers)
+    ]
+    side = torch.cuda.Stream() if cuda else None
+    main = torch.cuda.current_stream() if cuda else None
+
+    # -- modes -------------------------------------------------------------------------
+    def copy_store():
+        host_all.copy_(dev_all, non_blocking=cuda)
+
+    def copy_load():
+        dev_all.copy_(host_all, non_blocking=cuda)
+
+    def pieces(to_host: bool, two: bool) -> Callable[[], None]:
+        def go():
+            if two and cuda:
+                assert side is not None and main is not None
+                side.wait_stream(main)
+            for li in range(args.layers):
+                for c in range(args.chunks):
+                    h, d = hosts[li][c], dev_pieces[li][c]
+                    if two and cuda and c % 2:
+                        with torch.cuda.stream(side):
+                            (h.copy_(d, non_blocking=True) if to_host else d.copy_(h, non_blocking=True))
+                    else:
+                        h.copy_(d, non_blocking=cuda) if to_host else d.copy_(h, non_blocking=cuda)
+            if two and cuda:
+                assert main is not None
+                main.wait_stream(side)
+
+        return go
+
+    # The minimal gather + copies path, rows and views made once per pass as the connector
+    # makes them once per request.
+    paged = conn.paged
+    assert paged is not None
+    word = paged._word
+    tables = paged._word_tables
+
+    def minimal_store():
+        rows = paged.layer_rows(slots)
+        scratch = torch.empty(paged.layout.layer_chunk_shape(tokens), dtype=dtype, device=device)
+        words = scratch.view(word).view(-1, tables[0].shape[1])
+        views = [scratch[s:e] for s, e in zip(starts, ends, strict=True)]
+        stream = side if cuda else None
+        previous = None
+        for li in range(args.layers):
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream())
+                ctx = torch.cuda.stream(stream)
+            else:
+                ctx = contextlib.nullcontext()
+            with ctx:
+                torch.index_select(tables[li], 0, rows, out=words)
+                for h, v in zip(hosts[li], views, strict=True):
+                    h.copy_(v, non_blocking=cuda)
+                event = torch.cuda.Event() if cuda else None
+                if event is not None:
+                    event.record()
+            if previous is not None:
+                previous.synchronize()
+            previous = event
+        if previous is not None:
+            previous.synchronize()
+
+    def minimal_load():
+        rows = paged.layer_rows(slots)
+        scratch = torch.empty(paged.layout.layer_chunk_shape(tokens), dtype=dtype, device=device)
+        words = scratch.view(word).view(-1, tables[0].shape[1])
+        views = [scratch[s:e] for s, e in zip(starts, ends, strict=True)]
+        fresh_tables = [paged.layout.row_view(t).view(word) for t in fresh]
+        for li in range(args.layers):
+            if cuda:
+                assert side is not None
+                torch.cuda.current_stream().wait_stream(side)
+                ctx = torch.cuda.stream(side)
+            else:
+                ctx = contextlib.nullcontext()
+            with ctx:
+                for h, v in zip(hosts[li], views, strict=True):
+                    v.copy_(h, non_blocking=cuda)
+                fresh_tables[li].index_copy_(0, rows, words)
+        if cuda:
+            assert side is not None
+            torch.cuda.current_stream().wait_stream(side)
+            side.synchronize()
+
+    def conn_store(sync: bool = True, c: LayerwisePagedKVConnector = conn):
+        for _ in c.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots, sync=sync):
+            pass
+
+    def conn_load(sync: bool = True, c: LayerwisePagedKVConnector = conn):
+        gen = c.batched_to_gpu(starts, ends, kvcaches=fresh, slot_mapping=slots, sync=sync)
+        next(gen)
+        for li in range(args.layers):
+            gen.send(objs[li])
+        next(gen)
+
+    modes = {
+        "store": (
+            copy_store,
+            {
+                "pieces": pieces(True, False),
+                "pieces/2": pieces(True, True),
+                "minimal": minimal_store,
+                "connector": conn_store,
+                "connector, one stream": lambda: conn_store(True, single),
+            },
+        ),
+        "load": (
+            copy_load,
+            {
+                "pieces": pieces(False, False),
+                "pieces/2": pieces(False, True),
+                "minimal": minimal_load,
+                "connector": conn_load,
+                "connector, one stream": lambda: conn_load(True, single),
+            },
+        ),
+    }
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for direction, (base, fns) in modes.items():
+        for fn in (base, *fns.values()):
+            fn(), fn()
+        pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+        for _ in range(args.repeats):
+            for name, fn in fns.items():
+                pairs[name].append((_once(base, cuda), _once(fn, cuda)))
+        results[direction] = {}
+        for name, ps in pairs.items():
+            ratios = [b / f for b, f in ps]
+            results[direction][name] = {
+                "ms": statistics.median(f for _, f in ps) * 1e3,
+                "copy_ms": statistics.median(b for b, _ in ps) * 1e3,
+                "ratio_min": min(ratios),
+                "ratio": statistics.median(ratios),
+                "ratio_max": max(ratios),
+            }
+        # Host time of the connector's calls alone (sync=False queues without waiting).
+        issue = conn_store if direction == "store" else conn_load
+        t = []
+        for _ in range(args.repeats):
+            _sync(cuda)
+            t0 = time.perf_counter()
+            issue(False)
+            t.append(time.perf_counter() - t0)
+            _sync(cuda)
+        results[direction]["connector issue only (host)"] = {"ms": statistics.median(t) * 1e3}
+
+    # Correctness of what was timed: the loads wrote what the stores read.
+    conn_store()
+    fresh_copy = [torch.zeros_like(c) for c in caches]
+    gen = conn.batched_to_gpu(starts, ends, kvcaches=fresh_copy, slot_mapping=slots, sync=True)
+    next(gen)
+    for li in range(args.layers):
+        gen.send(objs[li])
+    next(gen)
+    _sync(cuda)
+    from kvstore.gpu import PagedKVCache
+
+    assert torch.equal(PagedKVCache(fresh_copy).gather(slots), PagedKVCache(caches).gather(slots))
+
+    # -- host cost per call ----------------------------------------------------------
+    host: dict[str, float] = {}
+    if cuda:
+        assert side is not None
+        rows = paged.layer_rows(slots)
+        scratch = torch.empty(paged.layout.layer_chunk_shape(tokens), dtype=dtype, device=device)
+        words = scratch.view(word).view(-1, tables[0].shape[1])
+        done = torch.cuda.Event()
+        done.record()
+        h, d = hosts[0][0], dev_pieces[0][0]
+        host["Event() + record"] = _host_us(lambda: torch.cuda.Event().record(), cuda)
+        host["stream.wait_stream(current)"] = _host_us(
+            lambda: side.wait_stream(torch.cuda.current_stream()), cuda
+        )
+        host["with torch.cuda.stream(s)"] = _host_us(
+            lambda: torch.cuda.stream(side).__enter__() and None, cuda
+        )
+        host["index_select(out=) one layer"] = _host_us(
+            lambda: torch.index_select(tables[0], 0, rows, out=words), cuda
+        )
+        host["index_copy_ one layer"] = _host_us(lambda: tables[0].index_copy_(0, rows, words), cuda)
+        host["copy_ 1 piece D2H"] = _host_us(lambda: h.copy_(d, non_blocking=True), cuda)
+        host["copy_ 1 piece H2D"] = _host_us(lambda: d.copy_(h, non_blocking=True), cuda)
+        host["set_stream(s) + set_stream(cur)"] = _host_us(
+            lambda: (torch.cuda.set_stream(side), torch.cuda.set_stream(torch.cuda.default_stream())), cuda
+        )
+        ev = torch.cuda.Event()
+        host["existing event.record()"] = _host_us(ev.record, cuda)
+        host["stream.wait_event(ev)"] = _host_us(lambda: side.wait_event(ev), cuda)
+        host["obj.tensor (LMCache)"] = _host_us(lambda: objs[0][0].tensor, cuda)
+        host["is_pinned()"] = _host_us(h.is_pinned, cuda)
+        host["completed event.synchronize()"] = _host_us(done.synchronize, cuda)
+        host["scratch[a:b] slice"] = _host_us(lambda: scratch[256:512], cuda)
+        torch.cuda.set_stream(torch.cuda.default_stream())
+        if args.profile:
+            import cProfile
+            import pstats
+
+            for name, fn in (("store", lambda: conn_store(False)), ("load", lambda: conn_load(False))):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(10):
+                    fn()
+                prof.disable()
+                torch.cuda.synchronize()
+                print(f"-- profile: connector {name}, 10 passes, sync=False")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    return {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "bytes_per_pass": nbytes,
+        "piece_bytes": piece,
+        "pieces": args.layers * args.chunks,
+        "results": results,
+        "host_us": host,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=21)
+    p.add_argument("--profile", action="store_true", help="cProfile the connector's passes (CUDA)")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    args.layout = "flash_attn"
+    report = run(args)
+    print(f"device: {report['device']}  torch {report['torch']}")
+    print(
+        f"{report['bytes_per_pass'] / 2**20:.0f} MiB per pass as {report['pieces']} pieces of "
+        f"{report['piece_bytes'] / 2**20:.2f} MiB"
+    )
+    print(f"{'direction / mode':<28}{'ms':>8}{'copy_ ms':>10}{'ratio min / median / max':>28}")
+    for direction, modes in report["results"].items():
+        for name, r in modes.items():
+            if "ratio" in r:
+                ratios = f"{r['ratio_min']:.2f} / {r['ratio']:.2f} / {r['ratio_max']:.2f}"
+                print(f"{direction + ' ' + name:<28}{r['ms']:>8.3f}{r['copy_ms']:>10.3f}{ratios:>28}")
+            else:
+                print(f"{direction + ' ' + name:<28}{r['ms']:>8.3f}")
+    for name, us in report["host_us"].items():
+        print(f"host  {name:<36}{us:>8.1f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
