@@ -447,7 +447,16 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
         )
 
-    def _pipelined_from_gpu(self, paged, memory_objs, first, starts, ends, slot_mapping, sync):
+    def _pipelined_from_gpu(
+        self,
+        paged: PagedKVCache,
+        memory_objs: Sequence[Sequence[MemoryObj]],
+        first: list[torch.Tensor],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        slot_mapping: torch.Tensor,
+        sync: bool,
+    ) -> Generator[None, None, None]:
         """Layerwise store through :class:`LayerPipeline`: layer i is queued before layer
         i - 1 is waited for, and its gather overlaps layer i - 1's copies."""
         spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
@@ -523,7 +532,17 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             self._check_fmt(obj, self._fmt)
         return [self._tensor(obj) for obj in objs]
 
-    def _pipelined_to_gpu(self, paged, objs, full, starts, ends, skips, slot_mapping, sync):
+    def _pipelined_to_gpu(
+        self,
+        paged: PagedKVCache,
+        objs: Sequence[MemoryObj],
+        full: list[torch.Tensor],
+        starts: Sequence[int],
+        ends: Sequence[int],
+        skips: Sequence[int],
+        slot_mapping: torch.Tensor,
+        sync: bool,
+    ) -> Generator[None, Any, None]:
         """Layerwise load through :class:`LayerPipeline`, from the first layer's objects
         on: layer i's copies overlap layer i - 1's scatter."""
         kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
