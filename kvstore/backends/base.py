@@ -9,7 +9,8 @@ Primitives (all batched; one call moves many objects):
 
 * ``put_many([(name, value), ...]) -> [bool]``  value = one buffer or a list of parts
   (gather write, so a frame's header and payload are never joined); False = not
-  stored (error counted, never raised).
+  known to be stored (error counted, never raised): the write failed, or a remote one
+  was cut off by its deadline after the server had it, and may still land, whole.
 * ``get_many(names, alloc=None) -> [memoryview | None]``  None = miss.  With `alloc`,
   the object is read into ``alloc(size)`` (a caller's buffer of at least `size` bytes)
   and the returned view points into it.
