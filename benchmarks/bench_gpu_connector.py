@@ -73,6 +73,17 @@ def _slot_mapping(args, num_tokens: int, device: torch.device) -> torch.Tensor:
     return (blocks[t // args.block_size] * args.block_size + t % args.block_size).to(device)
 
 
+def request(args, device: torch.device, dtype: torch.dtype):
+    """Random paged caches, zeroed ones like them, and a request of ``--chunks`` chunks on
+    shuffled blocks: (caches, fresh, slot_mapping, starts, ends)."""
+    caches = _caches(args, device, dtype)
+    fresh = [torch.zeros_like(c) for c in caches]
+    slots = _slot_mapping(args, args.chunks * args.chunk_size, device)
+    starts = [i * args.chunk_size for i in range(args.chunks)]
+    ends = [s + args.chunk_size for s in starts]
+    return caches, fresh, slots, starts, ends
+
+
 def _time_once(fn: Callable[[], None], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -116,12 +127,7 @@ def run(args) -> dict:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = DTYPES[args.dtype]
-    caches = _caches(args, device, dtype)
-    fresh = [torch.zeros_like(c) for c in caches]
-    tokens = args.chunks * args.chunk_size
-    slots = _slot_mapping(args, tokens, device)
-    starts = [i * args.chunk_size for i in range(args.chunks)]
-    ends = [s + args.chunk_size for s in starts]
+    caches, fresh, slots, starts, ends = request(args, device, dtype)
 
     pin = cuda and not args.pageable  # LMCache's host pool is pinned; --pageable tests staging
     row_copy = {"auto": None, "on": True, "off": False}[args.row_copy]
@@ -361,11 +367,9 @@ def _overlap(args, device, caches, fresh, layerwise, layer_objs, starts, ends, s
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_geometry(p: argparse.ArgumentParser) -> None:
+    """The device and the KV geometry (also read by bench_gpu_layerwise.py)."""
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layout", choices=["flash_attn", "flash_infer", "mla"], default="flash_attn")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
@@ -373,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--chunks", type=int, default=4)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_geometry(p)
+    p.add_argument("--layout", choices=["flash_attn", "flash_infer", "mla"], default="flash_attn")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument(
         "--compute-dim", type=int, default=4096, help="matmul size standing in for attention (CUDA)"

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from bench_gpu_connector import _caches, _memobj, _slot_mapping
+from bench_gpu_connector import _memobj, add_geometry, request
 from lmcache.v1.memory_management import MemoryFormat
 
 from kvstore.gpu.connector import LayerwisePagedKVConnector
@@ -72,12 +72,8 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16
-    caches = _caches(args, device, dtype)
-    fresh = [torch.zeros_like(c) for c in caches]
+    caches, fresh, slots, starts, ends = request(args, device, dtype)
     tokens = args.chunks * args.chunk_size
-    slots = _slot_mapping(args, tokens, device)
-    starts = [i * args.chunk_size for i in range(args.chunks)]
-    ends = [s + args.chunk_size for s in starts]
     conn = LayerwisePagedKVConnector(caches, row_copy=False)
     single = LayerwisePagedKVConnector(caches, row_copy=False, pipeline=False)
     shape = conn.get_shape(args.chunk_size)
@@ -315,14 +311,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--chunks", type=int, default=4)
+    add_geometry(p)
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--profile", action="store_true", help="cProfile the connector's passes (CUDA)")
     p.add_argument("--json", help="also write the results here")

@@ -33,7 +33,7 @@ Must not touch: index arithmetic (kvstore.gpu.layout), storage, policy.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import torch
@@ -447,6 +447,29 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
         )
 
+    def _pipeline(
+        self,
+        paged: PagedKVCache,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        ends: Sequence[int],
+        skips: Sequence[int],
+        *,
+        store: bool,
+    ) -> LayerPipeline:
+        """One request's pipeline over the tokens it moves (``skips`` of each chunk stay)."""
+        kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
+        return LayerPipeline(
+            paged,
+            paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0]),
+            self._spans([len(k) for k in kept]),
+            copies=self.store_copies if store else self.load_copies,
+            kernels=self.store_kernels if store else self.load_kernels,
+            scratch=(self._store_scratch, self._store_scratch_b)
+            if store
+            else (self._load_scratch, self._load_scratch_b),
+        )
+
     def _pipelined_from_gpu(
         self,
         paged: PagedKVCache,
@@ -459,22 +482,26 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
     ) -> Generator[None, None, None]:
         """Layerwise store through :class:`LayerPipeline`: layer i is queued before layer
         i - 1 is waited for, and its gather overlaps layer i - 1's copies."""
-        spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
-        kept = [slot_mapping[s:e] for s, e in zip(starts, ends, strict=True)]
-        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
-        pipe = LayerPipeline(
-            paged,
-            rows,
-            spans,
-            copies=self.store_copies,
-            kernels=self.store_kernels,
-            scratch=(self._store_scratch, self._store_scratch_b),
-        )
+        pipe = self._pipeline(paged, slot_mapping, starts, ends, [0] * len(starts), store=True)
+
+        def queue(layer: int, objs: Sequence[MemoryObj]) -> torch.cuda.Event | None:
+            return pipe.store_layer(layer, first if layer == 0 else [self._tensor(o) for o in objs])
+
+        yield from self._stored_layers(memory_objs, queue, sync)
+
+    def _stored_layers(
+        self,
+        memory_objs: Sequence[Sequence[MemoryObj]],
+        queue: Callable[[int, Sequence[MemoryObj]], torch.cuda.Event | None],
+        sync: bool,
+    ) -> Generator[None, None, None]:
+        """The store protocol over ``queue(layer, objs)`` (queues a layer, returns the
+        event of its completion): step i queues layer i, then, with ``sync``, waits for
+        layer i - 1, so the copies never idle while the host waits."""
         fmt = self._fmt
         previous: torch.cuda.Event | None = None
         for layer, objs in enumerate(memory_objs):
-            dsts = first if layer == 0 else [self._tensor(o) for o in objs]
-            event = pipe.store_layer(layer, dsts)
+            event = queue(layer, objs)
             for obj in objs:
                 obj.metadata.fmt = fmt
             if sync and previous is not None:
@@ -486,25 +513,17 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         yield
 
     def _direct_from_gpu(self, copier, memory_objs, tensors, starts, ends, slot_mapping, sync):
-        """Layerwise store as one row copy per layer: layer i is queued before layer i-1
-        is waited for, so the copy stream never idles while the host waits."""
+        """Layerwise store as one row copy per layer."""
         with self.store_copies.scope():
             copies = copier.layers(slot_mapping, TokenSpans.of(starts, ends))
             copies.prepare(tensors)
-        previous: torch.cuda.Event | None = None
-        for layer, objs in enumerate(memory_objs):
+
+        def queue(layer: int, objs: Sequence[MemoryObj]) -> torch.cuda.Event | None:
             with self.store_copies.scope():  # after the attention that wrote this layer
                 copies.copy(layer, tensors[layer], to_cache=False)
-                event = self.store_copies.record()
-            for obj in objs:
-                obj.metadata.fmt = self._fmt
-            if sync and previous is not None:
-                previous.synchronize()  # layer - 1 is complete when this step returns
-            previous = event
-            yield
-        if sync and previous is not None:
-            previous.synchronize()
-        yield
+                return self.store_copies.record()
+
+        yield from self._stored_layers(memory_objs, queue, sync)
 
     def _scatter_layer(self, paged, batch, layer, rows, srcs, spans, total, k) -> None:
         """Gather/scatter path of one loaded layer (objects the row copy cannot address)."""
@@ -532,6 +551,14 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             self._check_fmt(obj, self._fmt)
         return [self._tensor(obj) for obj in objs]
 
+    def _hold_while_read(self, objs: Sequence[MemoryObj], held: list[MemoryObj]) -> None:
+        """Take a reference to each of ``objs`` (appended to ``held``) while queued copies
+        still read their host memory; the load's last step gives them back."""
+        if self.load_copies.is_async:
+            for obj in objs:
+                obj.ref_count_up()
+                held.append(obj)
+
     def _pipelined_to_gpu(
         self,
         paged: PagedKVCache,
@@ -545,30 +572,17 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
     ) -> Generator[None, Any, None]:
         """Layerwise load through :class:`LayerPipeline`, from the first layer's objects
         on: layer i's copies overlap layer i - 1's scatter."""
-        kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
-        spans = self._spans([len(k) for k in kept])
+        pipe = self._pipeline(paged, slot_mapping, starts, ends, skips, store=False)
         cached = any(skips)
-        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
-        pipe = LayerPipeline(
-            paged,
-            rows,
-            spans,
-            copies=self.load_copies,
-            kernels=self.load_kernels,
-            scratch=(self._load_scratch, self._load_scratch_b),
-        )
         held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
         last = paged.num_layers - 1
         for layer in range(paged.num_layers):
             if layer:
                 objs = yield
-                full = self._sent(layer, objs, len(spans))
+                full = self._sent(layer, objs, len(pipe.spans))
             srcs = [t[skip:] if skip else t for t, skip in zip(full, skips, strict=True)] if cached else full
             pipe.load_layer(layer, srcs, caller_waits=sync)  # compute on layer - 1 sees its KV
-            if self.load_copies.is_async:
-                for obj in objs:
-                    obj.ref_count_up()
-                    held.append(obj)
+            self._hold_while_read(objs, held)
         yield
         if sync:
             pipe.caller_waits(last)
@@ -615,10 +629,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                     srcs = [t[skip:] for t, skip in zip(full, skips, strict=True)]
                     self._scatter_layer(paged, batch, layer, rows, srcs, spans, total, k)
                 batch.mark()
-            if self.load_copies.is_async:
-                for obj in objs:
-                    obj.ref_count_up()
-                    held.append(obj)
+            self._hold_while_read(objs, held)
         yield
         if sync:
             self.load_copies.current_waits()

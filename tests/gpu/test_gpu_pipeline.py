@@ -67,8 +67,35 @@ def _spans(lengths: list[int]) -> tuple[list[int], list[int]]:
     return starts, [s + n for s, n in zip(starts, lengths)]
 
 
+def _stored(
+    seed: int,
+) -> tuple[list[int], list[int], torch.Tensor, list[torch.Tensor], list[list[TensorMemoryObj]]]:
+    """A request of four full chunks stored from random caches: its spans, slots, the
+    caches and the objects holding their layers."""
+    starts, ends = _spans([CHUNK] * 4)
+    slots = _slots(ends[-1], seed=seed)
+    src = _caches("random", seed=seed + 1)
+    store = LayerwisePagedKVConnector(src)
+    objs = _objs(store, [CHUNK] * 4)
+    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
+        pass
+    return starts, ends, slots, src, objs
+
+
 def _want(caches: list[torch.Tensor], slots: torch.Tensor, layer: int, s: int, e: int) -> torch.Tensor:
     return PagedKVCache(caches).gather(slots[s:e])[:, layer].transpose(0, 1).cpu()  # [T, K, W]
+
+
+# A slow stream (a busy PCIe link, a long kernel) held up with torch.cuda._sleep: each
+# wait between the pipeline's streams must then hold, where on an idle GPU the host is
+# usually slow enough to hide a missing one.
+_HOLD = 20_000_000  # GPU cycles: milliseconds at any clock
+
+
+def _hold(stream: torch.cuda.Stream | None) -> None:
+    assert stream is not None
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(_HOLD)
 
 
 def test_store_reads_each_layer_after_the_caller_wrote_it():
@@ -95,19 +122,16 @@ def test_store_reads_each_layer_after_the_caller_wrote_it():
             assert obj.metadata.fmt == MemoryFormat.KV_T2D
 
 
-def test_load_is_visible_to_the_callers_next_kernel():
+@pytest.mark.parametrize("slow_link", [False, True], ids=["idle", "slow-link"])
+def test_load_is_visible_to_the_callers_next_kernel(slow_link):
     """After send(layer i + 1) the caller's stream waits for layer i: a copy of layer i's
-    cache queued right then sees the loaded values."""
-    lengths = [CHUNK] * 4
-    starts, ends = _spans(lengths)
-    slots = _slots(ends[-1], seed=3)
-    src = _caches("random", seed=4)
-    store = LayerwisePagedKVConnector(src)
-    objs = _objs(store, lengths)
-    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
-        pass
+    cache queued right then sees the loaded values, not the zeros still there, also when
+    every copy is held up from the start (``slow-link``; see ``_hold`` below)."""
+    starts, ends, slots, src, objs = _stored(seed=3)
     fresh = _caches()
     load = LayerwisePagedKVConnector(fresh)
+    if slow_link:
+        _hold(load.load_copies.stream)
     seen = []
     gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True)
     next(gen)
@@ -189,18 +213,6 @@ def test_pipeline_and_single_stream_paths_agree():
             assert torch.equal(x, y)
 
 
-# A slow stream (a busy PCIe link, a long kernel) held up with torch.cuda._sleep: each
-# wait between the pipeline's streams must then hold, where on an idle GPU the host is
-# usually slow enough to hide a missing one.
-_HOLD = 20_000_000  # GPU cycles: milliseconds at any clock
-
-
-def _hold(stream: torch.cuda.Stream | None) -> None:
-    assert stream is not None
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(_HOLD)
-
-
 def test_store_keeps_a_scratch_buffer_until_its_copies_have_read_it():
     """Copies held up after layer 0: the gathers run ahead, and the gather of layer i + 2
     must not overwrite the buffer layer i's copies have yet to read."""
@@ -224,14 +236,7 @@ def test_store_keeps_a_scratch_buffer_until_its_copies_have_read_it():
 def test_load_keeps_a_scratch_buffer_until_its_scatter_has_read_it():
     """Scatters held up after layer 0: the copies run ahead, and the copies of layer
     i + 2 must not overwrite the buffer layer i's scatter has yet to read."""
-    lengths = [CHUNK] * 4
-    starts, ends = _spans(lengths)
-    slots = _slots(ends[-1], seed=12)
-    src = _caches("random", seed=13)
-    store = LayerwisePagedKVConnector(src)
-    objs = _objs(store, lengths)
-    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
-        pass
+    starts, ends, slots, src, objs = _stored(seed=12)
     fresh = _caches()
     load = LayerwisePagedKVConnector(fresh)
     gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=False)
@@ -243,34 +248,3 @@ def test_load_keeps_a_scratch_buffer_until_its_scatter_has_read_it():
     next(gen)
     torch.cuda.synchronize()
     assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
-
-
-def test_callers_stream_waits_for_each_loaded_layer_behind_a_slow_link():
-    """Every copy held up from the start: the caller's reads of layer i, queued after
-    send(layer i + 1), must wait for it rather than see the zeros still there."""
-    lengths = [CHUNK] * 4
-    starts, ends = _spans(lengths)
-    slots = _slots(ends[-1], seed=14)
-    src = _caches("random", seed=15)
-    store = LayerwisePagedKVConnector(src)
-    objs = _objs(store, lengths)
-    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
-        pass
-    fresh = _caches()
-    load = LayerwisePagedKVConnector(fresh)
-    _hold(load.load_copies.stream)
-    seen = []
-    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True)
-    next(gen)
-    gen.send(objs[0])
-    for layer in range(LAYERS):
-        if layer + 1 < LAYERS:
-            gen.send(objs[layer + 1])
-        else:
-            next(gen)
-        seen.append(fresh[layer].clone())
-    torch.cuda.synchronize()
-    for layer in range(LAYERS):
-        assert torch.equal(
-            PagedKVCache(seen).gather(slots)[:, layer], PagedKVCache(src).gather(slots)[:, layer]
-        )
