@@ -9,7 +9,7 @@ calls a store or load makes. A layer's copies of LMCache-sized chunks take ~85 u
 H100 and each torch call costs the host 1-9 us, so nothing here is computed per layer
 that can be computed per request (see ``benchmarks/bench_gpu_layerwise.py``).
 
-Ordering (CUDA; on CPU every call runs inline, in order, and the events are ``None``):
+Ordering (CUDA; on CPU every call runs inline, in order, and no events are made):
 
 * store, layer i: kernel stream waits for the caller's stream (the attention that wrote
   the layer) and for the copies of layer i - 2 (which read the same scratch buffer);
