@@ -125,8 +125,8 @@ def _layer_objs(conn, starts, ends, dtype):
 
 def test_layerwise_store_protocol(layout, layer_path):
     """L + 1 next() calls; call c queues layer c and completes layer c - 1 (the engine puts
-    that one when the call returns); layers after c are untouched. On CPU the direct layer_path
-    finishes a layer as it is queued; the staged layer_path only at the next call."""
+    that one when the call returns); layers after c are untouched. On CPU the direct and
+    pipeline paths finish a layer as it is queued; the staged path only at the next call."""
     caches, slots, starts, ends = _sequence(layout, seed=8)
     conn = LayerwisePagedKVConnector(
         caches, pool=PinnedPool(min_buffer_bytes=1024), **LAYER_PATHS[layer_path]
