@@ -58,18 +58,15 @@ class LayerPipeline:
         self.paged = paged
         self.rows = rows
         self.spans = list(spans)
-        self.copies, self.kernels = copies, kernels
         total = self.spans[-1][1] if self.spans else 0
         shape = paged.layout.layer_chunk_shape(total)
         self._buffers = [s.get(shape, paged.dtype) for s in scratch[:2]]
         self._views = [[buf[a:b] for a, b in self.spans] for buf in self._buffers]
         self._words = [paged.layer_words(buf, total) for buf in self._buffers]
-        self.num_layers = paged.num_layers
-        self.device = paged.device
         self._index = paged.device.index if paged.device.index is not None else 0
-        self._done = copies.events(self.num_layers, "done")
-        self._ready = kernels.events(self.num_layers, "ready")
-        self._moved = kernels.events(self.num_layers, "moved")
+        self._done = copies.events(paged.num_layers, "done")
+        self._ready = kernels.events(paged.num_layers, "ready")
+        self._moved = kernels.events(paged.num_layers, "moved")
         self._copy_stream, self._kernel_stream = copies.stream, kernels.stream
         caller = torch.cuda.current_stream(self._index) if copies.is_async else None
         # Device memory made or last used on other streams is used on both from here on,
