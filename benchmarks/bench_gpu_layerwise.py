@@ -38,6 +38,7 @@ import torch
 from bench_gpu_connector import _memobj, add_geometry, request
 from lmcache.v1.memory_management import MemoryFormat
 
+from kvstore.gpu import PagedKVCache
 from kvstore.gpu.connector import LayerwisePagedKVConnector
 
 
@@ -125,13 +126,12 @@ def run(args: argparse.Namespace) -> dict:
     # makes them once per request.
     paged = conn.paged
     assert paged is not None
-    word = paged._word
-    tables = paged._word_tables
+    fresh_paged = PagedKVCache(fresh)
 
     def minimal_store():
         rows = paged.layer_rows(slots)
         scratch = torch.empty(paged.layout.layer_chunk_shape(tokens), dtype=dtype, device=device)
-        words = scratch.view(word).view(-1, tables[0].shape[1])
+        words = paged.layer_words(scratch, tokens)
         views = [scratch[s:e] for s, e in zip(starts, ends, strict=True)]
         stream = side if cuda else None
         previous = None
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 ctx = contextlib.nullcontext()
             with ctx:
-                torch.index_select(tables[li], 0, rows, out=words)
+                paged.gather_words(li, rows, words)
                 for h, v in zip(hosts[li], views, strict=True):
                     h.copy_(v, non_blocking=cuda)
                 event = torch.cuda.Event() if cuda else None
@@ -157,9 +157,8 @@ def run(args: argparse.Namespace) -> dict:
     def minimal_load():
         rows = paged.layer_rows(slots)
         scratch = torch.empty(paged.layout.layer_chunk_shape(tokens), dtype=dtype, device=device)
-        words = scratch.view(word).view(-1, tables[0].shape[1])
+        words = fresh_paged.layer_words(scratch, tokens)
         views = [scratch[s:e] for s, e in zip(starts, ends, strict=True)]
-        fresh_tables = [paged.layout.row_view(t).view(word) for t in fresh]
         for li in range(args.layers):
             if cuda:
                 assert side is not None
@@ -170,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
             with ctx:
                 for h, v in zip(hosts[li], views, strict=True):
                     v.copy_(h, non_blocking=cuda)
-                fresh_tables[li].index_copy_(0, rows, words)
+                fresh_paged.scatter_words(li, rows, words)
         if cuda:
             assert side is not None
             torch.cuda.current_stream().wait_stream(side)
@@ -247,8 +246,6 @@ def run(args: argparse.Namespace) -> dict:
         gen.send(objs[li])
     next(gen)
     _sync(cuda)
-    from kvstore.gpu import PagedKVCache
-
     assert torch.equal(PagedKVCache(fresh_copy).gather(slots), PagedKVCache(caches).gather(slots))
 
     # -- host cost per call ----------------------------------------------------------
@@ -257,7 +254,7 @@ def run(args: argparse.Namespace) -> dict:
         assert side is not None
         rows = paged.layer_rows(slots)
         scratch = torch.empty(paged.layout.layer_chunk_shape(tokens), dtype=dtype, device=device)
-        words = scratch.view(word).view(-1, tables[0].shape[1])
+        words = paged.layer_words(scratch, tokens)
         done = torch.cuda.Event()
         done.record()
         h, d = hosts[0][0], dev_pieces[0][0]
@@ -268,10 +265,8 @@ def run(args: argparse.Namespace) -> dict:
         host["with torch.cuda.stream(s)"] = _host_us(
             lambda: torch.cuda.stream(side).__enter__() and None, cuda
         )
-        host["index_select(out=) one layer"] = _host_us(
-            lambda: torch.index_select(tables[0], 0, rows, out=words), cuda
-        )
-        host["index_copy_ one layer"] = _host_us(lambda: tables[0].index_copy_(0, rows, words), cuda)
+        host["index_select(out=) one layer"] = _host_us(lambda: paged.gather_words(0, rows, words), cuda)
+        host["index_copy_ one layer"] = _host_us(lambda: fresh_paged.scatter_words(0, rows, words), cuda)
         host["copy_ 1 piece D2H"] = _host_us(lambda: h.copy_(d, non_blocking=True), cuda)
         host["copy_ 1 piece H2D"] = _host_us(lambda: d.copy_(h, non_blocking=True), cuda)
         host["set_stream(s) + set_stream(cur)"] = _host_us(
