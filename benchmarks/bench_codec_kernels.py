@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -53,9 +55,15 @@ def load_kernels(tree: Path) -> ModuleType:
     path = tree / "kvstore" / "codec" / "cachegen_kernels.py"
     if not path.exists():
         raise SystemExit(f"{path} not found: --against takes the root of a kvstore checkout")
-    spec = importlib.util.spec_from_file_location("kernels_against", path)
+    # Loaded from a copy under a name of its own: numba keys its on-disk cache by source
+    # file and records the module's name in it, so loading the other tree's file in place
+    # would leave cache entries that tree's own imports then fail to load.
+    copy = Path(tempfile.mkdtemp(prefix="kernels-against-")) / "kernels_against.py"
+    shutil.copyfile(path, copy)
+    spec = importlib.util.spec_from_file_location("kernels_against", copy)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # numba's cache re-imports a kernel's module by name
     spec.loader.exec_module(mod)
     return mod
 
@@ -67,6 +75,15 @@ def input_arg(kernels: ModuleType, dtype: torch.dtype) -> Any:
         return int(dtype == torch.bfloat16)
     bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
     return bits.view(dtype).float().numpy()
+
+
+def decode_args(kernels: ModuleType, args: tuple) -> tuple:
+    """What a tree's `rans_decode` takes, given this tree's arguments: frequencies and
+    cumulative frequencies packed in one table, or, before the kernels packed them, two."""
+    if hasattr(kernels, "decoder_table"):
+        return args
+    tables = next(t for t in cachegen._TABLES.values() if t.fcum is args[3])
+    return (*args[:3], tables.freq, tables.cum, *args[4:])
 
 
 class Capture:
@@ -110,14 +127,14 @@ def run(config: str, chunks: list[torch.Tensor], other: ModuleType, rounds: int,
                 e = list(enc)
                 e[2] = flags[side]
                 e[14] = np.zeros_like(enc[14])
-                d = list(dec)
-                d[10] = np.zeros_like(dec[10])
+                d = list(decode_args(kernels[side], dec))
+                d[-5] = np.zeros_like(d[-5])  # out
                 t0 = time.process_time()
                 kernels[side].encode_u16(*e[:15], e[15][0], 0, S)
                 t1 = time.process_time()
                 kernels[side].rans_decode(*d)
                 t2 = time.process_time()
-                outs[side] = (e[14], d[10])
+                outs[side] = (e[14], d[-5])
                 if r:  # round 0 warms up (and compiles the other tree's kernels)
                     times["enc " + side].append(t1 - t0)
                     times["dec " + side].append(t2 - t1)

@@ -56,6 +56,7 @@ from kvstore.codec.cachegen_kernels import (
     LANES,
     PROB_BITS,
     STATE_BYTES,
+    decoder_table,
     encode_f32,
     encode_u16,
     encoder_tables,
@@ -110,6 +111,7 @@ class _Tables:
         self.cum = np.ascontiguousarray(np.concatenate(cum))
         self.lut = np.ascontiguousarray(np.concatenate(lut))
         self.enc = encoder_tables(self.freq, self.cum)
+        self.fcum = decoder_table(self.freq, self.cum)
         clt = np.zeros((amax, n), np.float32)
         for a in alphas:
             b = cset.books[a]
@@ -523,7 +525,7 @@ class CacheGenCodec(Codec):
 
         def work(s0: int, s1: int) -> int:
             return rans_decode(
-                data, offs, gtab, tabs.freq, tabs.cum, tabs.lut, vals, vbase, scn, chs, dst, R, mode, s0, s1
+                data, offs, gtab, tabs.fcum, tabs.lut, vals, vbase, scn, chs, dst, R, mode, s0, s1
             )
 
         bad = self._run(work, S)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from kvstore.codec.prefetch import prefetch
+
 PROB_BITS = 12
 PROB_SCALE = 1 << PROB_BITS
 RANS_L = 1 << 15
@@ -36,31 +38,31 @@ F16_TO_F32 = np.float32(5.192296858534828e33)  # 2**112: float16 exponent bias -
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _quant_row(row, m, mx, qrow, hist_s):
-    """Quantize one token's channels (float32 `row`, absmax `m`) and count the symbols."""
+def _quant_row(row, m, mx, qf, qb, hf, hb, a_n):
+    """Quantize one token's channels (float32 `row`, absmax `m`) into qf[qb:qb+C] and
+    count the symbols in hf[hb + c * a_n + symbol] (flat views: no per-row slices, whose
+    reference counting cost more than the row's arithmetic)."""
     n = row.shape[0]
     fmx = np.float32(mx)
     top = 2 * mx
     if m == np.float32(0.0):
         for c in range(n):
-            qrow[c] = mx
+            qf[_u(qb + c)] = mx
     else:
         f = fmx / m
         if f == np.inf:
             # m is subnormal: MAX / m overflows float32; divide in float64 instead.
             dm = np.float64(m)
             for c in range(n):
-                qi = int(np.rint(np.float64(row[c]) / dm * mx + mx))
-                qrow[c] = min(max(qi, 0), top)
+                qi = int(np.rint(np.float64(row[_u(c)]) / dm * mx + mx))
+                qf[_u(qb + c)] = min(max(qi, 0), top)
         else:
             for c in range(n):
-                t = row[c] * f
+                t = row[_u(c)] * f
                 qi = np.int32(np.rint(t + fmx))
-                qrow[c] = min(max(qi, 0), top)
-    a_n = hist_s.shape[1]
-    flat = hist_s.reshape(-1)
+                qf[_u(qb + c)] = min(max(qi, 0), top)
     for c in range(n):
-        flat[_u(c * a_n + np.int64(qrow[c]))] += 1
+        hf[_u(hb + c * a_n + np.int64(qf[_u(qb + c)]))] += 1
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -70,14 +72,14 @@ def _absmax(rowbits):
     (one vectorizable pass, no search for the element that holds it)."""
     mb = np.int32(0)
     for c in range(rowbits.shape[0]):
-        mb = max(mb, rowbits[c] & 0x7FFFFFFF)
+        mb = max(mb, rowbits[_u(c)] & 0x7FFFFFFF)
     if mb >= 0x7F800000:
         return np.float32(0.0), False
     return np.int32(mb).view(np.float32), True
 
 
 @njit(nogil=True, cache=True, inline="always")
-def _round_scale(m, mode, cell):
+def _round_scale(m, mode):
     """Round a float32 scale up to what the payload stores: mode 0 keeps float32 (or an
     already exact value), 1 float16, 2 bfloat16.  Returns inf if float16 overflows."""
     if mode == 0 or m == np.float32(0.0):
@@ -88,23 +90,60 @@ def _round_scale(m, mode, cell):
         if m < np.float32(6.103515625e-05):  # float16 subnormal range: steps of 2**-24
             step = np.float32(5.960464477539063e-08)
             return np.float32(np.ceil(m / step)) * step
-        low = 0x1FFF
+        low = np.int32(0x1FFF)
     else:
-        low = 0xFFFF
-    cell[0] = m
-    bits = cell.view(np.int32)
-    if bits[0] & low:
-        bits[0] = (bits[0] | low) + 1
-    r = cell[0]
+        low = np.int32(0xFFFF)
+    bits = np.float32(m).view(np.int32)
+    if bits & low:
+        bits = (bits | low) + np.int32(1)
+    r = np.int32(bits).view(np.float32)
     if mode == 1 and r > np.float32(65504.0):
         return np.float32(np.inf)
     return r
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _quantize_rows(row, rowbits, s, t0, T, mode, maxq, q, scales, hist, xf, invf, kind):
+    """The rows of stream s (tokens t0..T-1): widen (`kind` 0 float32, 1 float16, 2
+    bfloat16), scale by the channel factors, absmax, round the scale, quantize, count.
+    Returns -1, or s for inf/NaN, or -2 for a float16 scale that overflows."""
+    C = row.shape[0]
+    a_n = hist.shape[2]
+    qf = q.reshape(-1)
+    hf = hist.reshape(-1)
+    mx = maxq[s]
+    hb = s * C * a_n
+    for i in range(C * a_n):
+        hf[_u(hb + i)] = 0
+    ib = s * C
+    for t in range(t0, T):
+        xb = (s * T + t) * C
+        if kind == 0:
+            for c in range(C):
+                row[_u(c)] = xf[_u(xb + c)] * invf[_u(ib + c)]
+        elif kind == 2:
+            for c in range(C):
+                row[_u(c)] = (
+                    np.uint32(np.uint32(xf[_u(xb + c)]) << np.uint32(16)).view(np.float32) * invf[_u(ib + c)]
+                )
+        else:
+            for c in range(C):
+                row[_u(c)] = _f16_value(np.uint32(xf[_u(xb + c)])) * invf[_u(ib + c)]
+        m, ok = _absmax(rowbits)
+        if not ok:
+            return s
+        m = _round_scale(m, mode)
+        if m == np.inf:
+            return -2
+        scales[s, t - t0] = m
+        _quant_row(row, m, mx, qf, (s * (T - t0) + t - t0) * C, hf, hb, a_n)
+    return -1
+
+
 @njit(nogil=True, cache=True)
 def quantize_f32(x, t0, inv, mode, maxq, q, scales, hist, s0, s1):
     """x float32 [S,T,C] -> q uint8 [S,T-t0,C], scales float32 [S,T-t0], hist int32 [S,C,A]
-    (tokens t0.. only: the first t0 are stored raw by the caller).
+    (tokens t0.. only: the first t0 are stored raw by the caller).  All C-contiguous.
 
     inv float32 [S,C] multiplies each channel first (all ones: LMCache's arithmetic,
     exactly); `mode` rounds scales up to their stored type (see `_round_scale`).
@@ -112,23 +151,12 @@ def quantize_f32(x, t0, inv, mode, maxq, q, scales, hist, s0, s1):
     _, T, C = x.shape
     row = np.empty(C, np.float32)
     rowbits = row.view(np.int32)
-    cell = np.empty(1, np.float32)
+    xf = x.reshape(-1)
+    invf = inv.reshape(-1)
     for s in range(s0, s1):
-        mx = maxq[s]
-        hist[s, :, :] = 0
-        iv = inv[s]
-        for t in range(t0, T):
-            xr = x[s, t]
-            for c in range(C):
-                row[c] = xr[c] * iv[c]
-            m, ok = _absmax(rowbits)
-            if not ok:
-                return s
-            m = _round_scale(m, mode, cell)
-            if m == np.inf:
-                return -2
-            scales[s, t - t0] = m
-            _quant_row(row, m, mx, q[s, t - t0], hist[s])
+        r = _quantize_rows(row, rowbits, s, t0, T, mode, maxq, q, scales, hist, xf, invf, 0)
+        if r != -1:
+            return r
     return -1
 
 
@@ -151,39 +179,33 @@ def quantize_u16(x, t0, bf16, inv, mode, maxq, q, scales, hist, s0, s1):
     _, T, C = x.shape
     row = np.empty(C, np.float32)
     rowbits = row.view(np.int32)
-    cell = np.empty(1, np.float32)
+    xf = x.reshape(-1)
+    invf = inv.reshape(-1)
+    kind = 2 if bf16 else 1
     for s in range(s0, s1):
-        mx = maxq[s]
-        hist[s, :, :] = 0
-        iv = inv[s]
-        for t in range(t0, T):
-            xr = x[s, t]
-            if bf16:
-                for c in range(C):
-                    row[c] = np.uint32(np.uint32(xr[c]) << np.uint32(16)).view(np.float32) * iv[c]
-            else:
-                for c in range(C):
-                    row[c] = _f16_value(np.uint32(xr[c])) * iv[c]
-            m, ok = _absmax(rowbits)
-            if not ok:
-                return s
-            m = _round_scale(m, mode, cell)
-            if m == np.inf:
-                return -2
-            scales[s, t - t0] = m
-            _quant_row(row, m, mx, q[s, t - t0], hist[s])
+        r = _quantize_rows(row, rowbits, s, t0, T, mode, maxq, q, scales, hist, xf, invf, kind)
+        if r != -1:
+            return r
     return -1
 
 
 @njit(nogil=True, cache=True, fastmath=True)
 def choose_tables(hist, alpha, base, ksize, clt, tab, s0, s1):
     """Per channel, the table (global index base[s] + k, k < ksize[s]) that codes its
-    histogram hist[s, c, :alpha[s]] in the fewest bits; clt float32 [A, NT] code lengths.
-    (fastmath only reorders sums of code lengths: the choice is stored, never recomputed.)"""
+    histogram hist[s, c, :alpha[s]] in the fewest bits, the first such on ties; clt
+    float32 [A, NT] code lengths.  (fastmath only reorders sums of code lengths: the
+    choice is stored, never recomputed.)
+
+    The choice is a minimum over 64-bit keys ``cost bits << 32 | k``: costs are sums of
+    non-negative code lengths, so their float32 bits order as the costs do, and the
+    smallest key is the first table of least cost.  A compare-and-select scan carried
+    one dependency through all K (128-256) tables and took 70% of this kernel; a
+    minimum of integers vectorizes."""
     _, C, _ = hist.shape
     nt = clt.shape[1]
     flat = clt.reshape(-1)
     cost = np.empty(nt, np.float32)
+    bits = cost.view(np.int32)
     for s in range(s0, s1):
         b = base[s]
         K = ksize[s]
@@ -198,13 +220,10 @@ def choose_tables(hist, alpha, base, ksize, clt, tab, s0, s1):
                     row = a * nt + b  # clt[a, b:b+K]
                     for k in range(K):
                         cost[_u(k)] += w * flat[_u(row + k)]
-            best = 0
-            bc = cost[0]
-            for k in range(1, K):
-                if cost[_u(k)] < bc:
-                    bc = cost[_u(k)]
-                    best = k
-            tab[s, c] = b + best
+            key = np.int64(0x7FFFFFFFFFFFFFFF)
+            for k in range(K):
+                key = min(key, (np.int64(bits[_u(k)]) << 32) | k)
+            tab[s, c] = b + (key & 0xFFFFFFFF)
 
 
 def encoder_tables(freq, cum):
@@ -318,24 +337,38 @@ def _state(data, p):
     return x if RANS_L <= x < (1 << 31) else np.int64(-1)
 
 
+def decoder_table(freq, cum):
+    """Per (table, symbol) the decoder's frequency and cumulative frequency in one word,
+    freq | cum << 16, uint32 [NT, A]: one load per symbol instead of two."""
+    return np.ascontiguousarray(freq.astype(np.uint32) | (cum.astype(np.uint32) << np.uint32(16)))
+
+
 @njit(nogil=True, cache=True)
-def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, t0, mode, s0, s1):
+def rans_decode(data, offs, tab, fcum, lut, vals, vbase, scales, chs, out, t0, mode, s0, s1):
     """Decode and dequantize streams [s0, s1) into out[:, t0:] (out [S,T,C]; the first t0
     tokens were stored raw and are the caller's to write).
 
-    data uint8 (all streams), offs int64 [S+1] byte offsets, tab int32 [S,C], lut uint8
-    [NT, PROB_SCALE] slot->symbol, vals float32 dequantization table with stream s's
-    entries at vbase[s], scales float32 [S,T-t0], chs float32 [S,C] channel scales.  Values
-    are computed in float32 and stored as they are (`mode` 0, out float32) or as the bits
-    of float16 (1) or bfloat16 (2) in a uint16 `out`, rounded as torch rounds, so the
-    result is the float32 decode converted by torch, without the float32 copy.  Every
-    read is bounds-checked; returns -1 on success, else the index of the first stream
-    that is malformed.
+    data uint8 (all streams), offs int64 [S+1] byte offsets, tab int32 [S,C], fcum uint32
+    [NT, A] from `decoder_table`, lut uint8 [NT, PROB_SCALE] slot->symbol, vals float32
+    dequantization table with stream s's entries at vbase[s], scales float32 [S,T-t0], chs
+    float32 [S,C] channel scales.  Values are computed in float32 and stored as they are
+    (`mode` 0, out float32) or as the bits of float16 (1) or bfloat16 (2) in a uint16
+    `out`, rounded as torch rounds, so the result is the float32 decode converted by torch,
+    without the float32 copy.  Every read is bounds-checked; returns -1 on success, else
+    the index of the first stream that is malformed.
+
+    Tables: a codebook set holds hundreds of tables (4 KiB of `lut` each, megabytes in
+    all) and a stream's channels each use their own, so the next channel's table would
+    come from L3 or memory one symbol at a time; while a channel decodes, the next
+    channel's `lut` and `fcum` rows are prefetched, a line every few symbols.
     """
     _, TT, C = out.shape
     T = TT - t0
     tmp = np.empty((T, C), np.float32)  # one stream (192 KiB at 256 x 192)
     tmpf = tmp.reshape(-1)
+    lutf = lut.reshape(-1)
+    fcf = fcum.reshape(-1)
+    a_n = fcum.shape[1]
     mask = PROB_SCALE - 1
     for s in range(s0, s1):
         p = offs[s]
@@ -362,17 +395,29 @@ def rans_decode(data, offs, tab, freq, cum, lut, vals, vbase, scales, chs, out, 
         # above) and only grows, so its reads index unsigned.
         last = end - 2
         for c in range(C):
-            k = tab[s, c]
-            fr = freq[k]
-            cu = cum[k]
-            lk = lut[k]
+            k = np.int64(tab[s, c])
+            if c + 1 < C:
+                kn = np.int64(tab[s, c + 1])
+            elif s + 1 < s1:
+                kn = np.int64(tab[s + 1, 0])
+            else:
+                kn = k
+            lb = k << PROB_BITS
+            fb = k * a_n
+            nlb = kn << PROB_BITS
+            nfb = kn * a_n
             cs = chs[s, c]
             ti = c  # tmp[t, c]
             for t in range(T):
+                if (t & 3) == 0:  # lines of 64 bytes: the next lut row in T / 4 steps
+                    prefetch(lutf, _u(nlb + ((t << 4) & mask)))
+                    if (t & 31) == 0:
+                        prefetch(fcf, _u(nfb + min(t >> 1, a_n - 1)))
                 x = w0
                 slot = x & mask
-                sym = np.int64(lk[_u(slot)])
-                x = np.int64(fr[_u(sym)]) * (x >> PROB_BITS) + slot - np.int64(cu[_u(sym)])
+                sym = np.int64(lutf[_u(lb + slot)])
+                fc = np.int64(fcf[_u(fb + sym)])
+                x = (fc & 0xFFFF) * (x >> PROB_BITS) + slot - (fc >> 16)
                 r = np.int64(x < RANS_L)
                 pp = min(p, last)
                 w = np.int64(data[_u(pp)]) | (np.int64(data[_u(pp + 1)]) << 8)
