@@ -8,7 +8,7 @@ from numba import njit
 
 from kvstore.codec import get
 from kvstore.codec.cachegen import CacheGenCodec, warm_up
-from kvstore.codec.cachegen_kernels import _bf16_bits, _f16_bits, _f16_value
+from kvstore.codec.cachegen_kernels import _bf16_bits, _f16_bits, _f16_value, choose_tables
 
 
 @njit(cache=False)
@@ -98,3 +98,25 @@ def test_warm_up_runs_once_and_codecs_wait_for_it():
     assert cold._warming is None
     x = torch.randn(2, 30, 8, 192).half()
     assert torch.equal(cold.decode(c.encode(x)), c.decode(c.encode(x)))
+
+
+def test_table_choice_is_the_cheapest_table_and_the_first_of_equal_cost():
+    # Code lengths in quarter bits and small counts: every cost is exact in float32, so
+    # numpy's argmin (first index of the minimum) is the reference, ties included.
+    rng = np.random.default_rng(1)
+    S, C, A, K = 3, 64, 15, 200
+    clt = (rng.integers(1, 48, (A, K + 7)) / 4).astype(np.float32)
+    clt[:, 7 + 150] = clt[:, 7 + 40]  # tables 40 and 150 always tie
+    clt[:, 7 + 199] = clt[:, 7 + 3]  # and so do 3 and 199, the last table
+    hist = rng.integers(0, 5, (S, C, A)).astype(np.int32)
+    hist[:, :, 0] = 0  # symbols never seen are skipped
+    hist[0, 0] = 0  # a channel with nothing in it costs 0 under every table: table 0
+    base = np.array([7, 7, 7], np.int64)
+    tab = np.full((S, C), -1, np.int32)
+    choose_tables(hist, np.full(S, A, np.int64), base, np.full(S, K, np.int64), clt, tab, 0, S)
+    cost = hist.astype(np.float64) @ clt[:, 7:].astype(np.float64)  # [S, C, K], exact
+    assert (tab == 7 + cost.argmin(axis=2)).all()
+    assert tab[0, 0] == 7
+    # A channel whose cheapest tables are a tie is coded with the first of them.
+    ties = (cost == cost.min(axis=2, keepdims=True)).sum(axis=2) > 1
+    assert ties.sum() > 1
