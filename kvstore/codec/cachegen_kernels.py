@@ -337,6 +337,25 @@ def _state(data, p):
     return x if RANS_L <= x < (1 << 31) else np.int64(-1)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _dsym(x, lutf, lb, fcf, fb):
+    """One symbol off state `x` with the table at lutf[lb:], fcf[fb:]: (state before its
+    refill, symbol)."""
+    slot = x & (PROB_SCALE - 1)
+    sym = np.int64(lutf[_u(lb + slot)])
+    fc = np.int64(fcf[_u(fb + sym)])
+    return (fc & 0xFFFF) * (x >> PROB_BITS) + slot - (fc >> 16), sym
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _refill(x, data, pp):
+    """The state after its refill from the word at data[pp:pp+2] (always read, taken only
+    when `x` is below RANS_L: branch-free, see `_put`), and how far the read position moves."""
+    r = np.int64(x < RANS_L)
+    w = np.int64(data[_u(pp)]) | (np.int64(data[_u(pp + 1)]) << 8)
+    return (x << (16 * r)) | (w & -r), 2 * r
+
+
 def decoder_table(freq, cum):
     """Per (table, symbol) the decoder's frequency and cumulative frequency in one word,
     freq | cum << 16, uint32 [NT, A]: one load per symbol instead of two."""
@@ -388,7 +407,7 @@ def rans_decode(data, offs, tab, fcum, lut, vals, vbase, scales, chs, out, t0, m
         vb = vbase[s]
         sc = scales[s]
         os_ = out[s]
-        # Refills are branch-free (see `_put`): the next word is always read, at most at
+        # Refills are branch-free (`_refill`): the next word is always read, at most at
         # end - 2 so reads stay inside the stream, and only consumed when the state is
         # below RANS_L.  A stream that runs past its end is caught once per channel (its
         # reads were clamped, its output is discarded with the error).  p >= 0 (checked
@@ -408,26 +427,50 @@ def rans_decode(data, offs, tab, fcum, lut, vals, vbase, scales, chs, out, t0, m
             nfb = kn * a_n
             cs = chs[s, c]
             ti = c  # tmp[t, c]
-            for t in range(T):
+            t = 0
+            if p + 2 * T <= end:
+                # No read of this channel can pass the stream's end (a symbol moves p by 2
+                # at most), so nothing is clamped; four symbols a step, each lane's state
+                # updated in place (the window turns four places: back where it started).
+                while t + 4 <= T:
+                    prefetch(lutf, _u(nlb + ((t << 4) & mask)))
+                    if (t & 31) == 0:
+                        prefetch(fcf, _u(nfb + min(t >> 1, a_n - 1)))
+                    x, sym = _dsym(w0, lutf, lb, fcf, fb)
+                    w0, d = _refill(x, data, p)
+                    p += d
+                    tmpf[_u(ti)] = vals[_u(vb + sym)] * sc[_u(t)] * cs
+                    x, sym = _dsym(w1, lutf, lb, fcf, fb)
+                    w1, d = _refill(x, data, p)
+                    p += d
+                    tmpf[_u(ti + C)] = vals[_u(vb + sym)] * sc[_u(t + 1)] * cs
+                    x, sym = _dsym(w2, lutf, lb, fcf, fb)
+                    w2, d = _refill(x, data, p)
+                    p += d
+                    tmpf[_u(ti + 2 * C)] = vals[_u(vb + sym)] * sc[_u(t + 2)] * cs
+                    x, sym = _dsym(w3, lutf, lb, fcf, fb)
+                    w3, d = _refill(x, data, p)
+                    p += d
+                    tmpf[_u(ti + 3 * C)] = vals[_u(vb + sym)] * sc[_u(t + 3)] * cs
+                    ti += 4 * C
+                    t += 4
+            # The rest of the channel (or all of it near the stream's end, reads clamped
+            # to end - 2), one symbol a step, the window turning one place a symbol.
+            while t < T:
                 if (t & 3) == 0:  # lines of 64 bytes: the next lut row in T / 4 steps
                     prefetch(lutf, _u(nlb + ((t << 4) & mask)))
                     if (t & 31) == 0:
                         prefetch(fcf, _u(nfb + min(t >> 1, a_n - 1)))
-                x = w0
-                slot = x & mask
-                sym = np.int64(lutf[_u(lb + slot)])
-                fc = np.int64(fcf[_u(fb + sym)])
-                x = (fc & 0xFFFF) * (x >> PROB_BITS) + slot - (fc >> 16)
-                r = np.int64(x < RANS_L)
-                pp = min(p, last)
-                w = np.int64(data[_u(pp)]) | (np.int64(data[_u(pp + 1)]) << 8)
+                x, sym = _dsym(w0, lutf, lb, fcf, fb)
+                x, d = _refill(x, data, min(p, last))
                 w0 = w1
                 w1 = w2
                 w2 = w3
-                w3 = (x << (16 * r)) | (w & -r)
-                p += 2 * r
+                w3 = x
+                p += d
                 tmpf[_u(ti)] = vals[_u(vb + sym)] * sc[_u(t)] * cs
                 ti += C
+                t += 1
             if p > end:
                 return s
         if p != end:
