@@ -356,6 +356,15 @@ def _refill(x, data, pp):
     return (x << (16 * r)) | (w & -r), 2 * r
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _prefetch_next(lutf, nlb, fcf, nfb, a_n, t):
+    """At symbol t (a multiple of 4) of a channel, one 64-byte line of the next channel's
+    `lut` row (the whole row in T / 4 steps) and, every 32 symbols, one of its `fcum` row."""
+    prefetch(lutf, _u(nlb + ((t << 4) & (PROB_SCALE - 1))))
+    if (t & 31) == 0:
+        prefetch(fcf, _u(nfb + min(t >> 1, a_n - 1)))
+
+
 def decoder_table(freq, cum):
     """Per (table, symbol) the decoder's frequency and cumulative frequency in one word,
     freq | cum << 16, uint32 [NT, A]: one load per symbol instead of two."""
@@ -388,7 +397,6 @@ def rans_decode(data, offs, tab, fcum, lut, vals, vbase, scales, chs, out, t0, m
     lutf = lut.reshape(-1)
     fcf = fcum.reshape(-1)
     a_n = fcum.shape[1]
-    mask = PROB_SCALE - 1
     for s in range(s0, s1):
         p = offs[s]
         end = offs[s + 1]
@@ -433,9 +441,7 @@ def rans_decode(data, offs, tab, fcum, lut, vals, vbase, scales, chs, out, t0, m
                 # at most), so nothing is clamped; four symbols a step, each lane's state
                 # updated in place (the window turns four places: back where it started).
                 while t + 4 <= T:
-                    prefetch(lutf, _u(nlb + ((t << 4) & mask)))
-                    if (t & 31) == 0:
-                        prefetch(fcf, _u(nfb + min(t >> 1, a_n - 1)))
+                    _prefetch_next(lutf, nlb, fcf, nfb, a_n, t)
                     x, sym = _dsym(w0, lutf, lb, fcf, fb)
                     w0, d = _refill(x, data, p)
                     p += d
@@ -457,10 +463,8 @@ def rans_decode(data, offs, tab, fcum, lut, vals, vbase, scales, chs, out, t0, m
             # The rest of the channel (or all of it near the stream's end, reads clamped
             # to end - 2), one symbol a step, the window turning one place a symbol.
             while t < T:
-                if (t & 3) == 0:  # lines of 64 bytes: the next lut row in T / 4 steps
-                    prefetch(lutf, _u(nlb + ((t << 4) & mask)))
-                    if (t & 31) == 0:
-                        prefetch(fcf, _u(nfb + min(t >> 1, a_n - 1)))
+                if (t & 3) == 0:
+                    _prefetch_next(lutf, nlb, fcf, nfb, a_n, t)
                 x, sym = _dsym(w0, lutf, lb, fcf, fb)
                 x, d = _refill(x, data, min(p, last))
                 w0 = w1
