@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Union
 
@@ -22,6 +21,7 @@ from kvstore.backends.stream import wait_out
 from kvstore.buffers import BufferPool
 from kvstore.frame import FrameHeader
 from kvstore.keys import printable_name
+from kvstore.shared_jobs import run_shared
 
 if TYPE_CHECKING:
     import torch
@@ -165,11 +165,13 @@ async def read_streamed(
 
 async def _stream_buffers(raws: Sequence[memoryview | None], sinks: Sequence[FrameSink]) -> list[object | None]:
     """Each buffer read whole into its sink (copied and hashed in one pass): on the event
-    loop for a small batch, else split among at most one worker job per CPU, as the disk
-    tier's reads are (a 16 MiB copy-and-hash is memory-bound: one core copies at ~5 GB/s
-    here, so a batch from the memory tier took a core's time per byte on the loop).
-    Every job has ended before this returns or raises, cancelled or not: they write into
-    the callers' tensors.  A fault in a sink is raised once every copy is over."""
+    loop for a small batch, else on at most one worker job per CPU, each taking the next
+    buffer until none is left (`kvstore.shared_jobs`), as the disk tier's reads are (a
+    16 MiB copy-and-hash is memory-bound: one core copies at ~5 GB/s here, so a batch
+    from the memory tier took a core's time per byte on the loop).  Every job has ended
+    before this returns or raises, cancelled or not: they write into the callers'
+    tensors; cancelled, the buffers not yet begun are skipped.  A fault in a sink is
+    raised once every copy is over."""
     from kvstore.backends.stream import stream_from_buffer
 
     verdicts: list[object | None] = [None] * len(raws)
@@ -179,42 +181,13 @@ async def _stream_buffers(raws: Sequence[memoryview | None], sinks: Sequence[Fra
         for k, r in todo:
             verdicts[k] = stream_from_buffer(r, sinks[k])
         return verdicts
-    groups = [todo[j::jobs] for j in range(jobs)]
-    loop = asyncio.get_running_loop()
-    stop = threading.Event()
-    together = asyncio.gather(
-        *(loop.run_in_executor(None, _copy_group, [(r, sinks[k]) for k, r in g], stop) for g in groups)
-    )
-    try:
-        results = await asyncio.shield(together)
-    except asyncio.CancelledError:
-        stop.set()  # the objects not yet begun are skipped
-        await wait_out(together)
-        raise
+    results = await run_shared(lambda kr: stream_from_buffer(kr[1], sinks[kr[0]]), todo, jobs)
     fault: BaseException | None = None
-    for g, res in zip(groups, results):
-        for (k, _), v in zip(g, res):
-            if isinstance(v, BaseException):
-                fault = fault or v
-            else:
-                verdicts[k] = v
+    for (k, _), v in zip(todo, results):
+        if isinstance(v, BaseException):
+            fault = fault or v
+        else:
+            verdicts[k] = v
     if fault is not None:
         raise fault
     return verdicts
-
-
-def _copy_group(items: list[tuple[memoryview, FrameSink]], stop: threading.Event) -> list[object]:
-    """One worker job: each buffer into its sink in turn (a fault is returned, not raised,
-    so the others are still copied); once `stop` is set the rest are skipped (misses)."""
-    from kvstore.backends.stream import stream_from_buffer
-
-    out: list[object] = []
-    for raw, sink in items:
-        if stop.is_set():
-            out.append(None)
-            continue
-        try:
-            out.append(stream_from_buffer(raw, sink))
-        except Exception as exc:
-            out.append(exc)
-    return out

@@ -90,6 +90,7 @@ from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
 from kvstore.backends.stream import StreamSink
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.options import option_bool, option_int, option_size, url_options
+from kvstore.shared_jobs import run_shared
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -239,21 +240,6 @@ def _stream_one(path: Path, sink: StreamSink, max_size: int, mapped: bool) -> tu
         os.close(fd)
 
 
-def _stream_group(
-    items: Sequence[tuple[Path, StreamSink]], max_size: int, mapped: bool
-) -> list[tuple[int, int, object] | Exception]:
-    """`_stream_one` for each object in turn, in one worker job; an object that could not
-    be read (missing, defective, an I/O error, or a fault in its sink) is its exception
-    in the result, and the others are still read."""
-    out: list[tuple[int, int, object] | Exception] = []
-    for path, sink in items:
-        try:
-            out.append(_stream_one(path, sink, max_size, mapped))
-        except Exception as exc:
-            out.append(exc)
-    return out
-
-
 def _stale_temp(entry: os.DirEntry[str]) -> bool:
     """A temp file no live writer will finish: its writer (``.<pid>-<n>.tmp``) is not a
     running process here, or it is older than a write lease.  Other processes' writes in
@@ -282,7 +268,7 @@ FLUSH_N = 256  # ...or until this many have gathered
 
 class DiskBackend(Backend):
     schemes = ("file",)
-    capabilities = Capabilities(streamed_reads=True, ranged_reads=True, enforces_capacity=True)
+    capabilities = Capabilities(streamed_reads=True, cancels_cleanly=True, ranged_reads=True, enforces_capacity=True)
 
     def __init__(
         self,
@@ -684,12 +670,14 @@ class DiskBackend(Backend):
         """Each object streamed into the sink ``open_sink(name)`` gives; the sinks'
         verdicts, None for a miss or an I/O error.
 
-        The objects are split among at most ``concurrency`` worker jobs (and no more
-        than this process has CPUs: a read of warm pages is a copy), each reading its
-        share one object after another: a batch costs that many executor hops and loop
-        wake-ups, not one per object (each hop is a thread hand-off; on a machine with
-        few cores the workers' copies keep every core busy, and a Python step waiting for
-        a core or the GIL between reads was most of the time a batch spent above the copies).
+        The objects are read by at most ``concurrency`` worker jobs (and no more than
+        this process has CPUs: a read of warm pages is a copy), each taking the next
+        object from the batch until none is left (`kvstore.shared_jobs`): a batch costs
+        that many executor hops and loop wake-ups, not one per object (each hop is a
+        thread hand-off; on a machine with few cores the workers' copies keep every core
+        busy, and a Python step waiting for a core or the GIL between reads was most of
+        the time a batch spent above the copies), and no job idles while another still
+        has several objects to read.  Cancelled, it reads no object it had not begun.
         """
         sinks = [open_sink(n) for n in names]
         out: list[object | None] = [None] * len(names)
@@ -700,22 +688,22 @@ class DiskBackend(Backend):
         for k in todo:
             self._start_reading(names[k])
         try:
-            jobs = min(len(todo), self.concurrency, _CPUS)
-            groups = [todo[j::jobs] for j in range(jobs)]
-            results = await asyncio.gather(
-                *(self._run_group([(self.path_of(names[k]), sinks[k]) for k in g]) for g in groups)
+            results = await run_shared(
+                self._stream_step,
+                [(self.path_of(names[k]), sinks[k]) for k in todo],
+                min(self.concurrency, _CPUS),
+                self._run_job,
             )
             fault: Exception | None = None
-            for g, res in zip(groups, results):
-                for k, r in zip(g, res):
-                    if isinstance(r, tuple):
-                        size, got, out[k] = r
-                        self._read_done(names[k], size, got)
-                    elif isinstance(r, (OSError, _Defective)):
-                        await self._read_failed(names[k], r)
-                    else:  # a fault in the reader's sink, not in the object: raised once all are done
-                        self.counters.misses += 1
-                        fault = fault or r
+            for k, r in zip(todo, results):
+                if isinstance(r, tuple):
+                    size, got, out[k] = r
+                    self._read_done(names[k], size, got)
+                elif isinstance(r, (OSError, _Defective)):
+                    await self._read_failed(names[k], r)
+                else:  # a fault in the reader's sink, not in the object: raised once all are done
+                    self.counters.misses += 1
+                    fault = fault or r
         finally:
             for k in todo:
                 self._unreading(names[k])
@@ -723,11 +711,12 @@ class DiskBackend(Backend):
             raise fault
         return out
 
-    async def _run_group(self, items: list[tuple[Path, StreamSink]]) -> list[tuple[int, int, object] | Exception]:
+    def _stream_step(self, item: tuple[Path, StreamSink]) -> tuple[int, int, object]:
+        return _stream_one(item[0], item[1], self.max_object_bytes, self.mmap)
+
+    async def _run_job(self, job: Callable[[], None]) -> None:
         async with self._sem:
-            return await asyncio.get_running_loop().run_in_executor(
-                None, _stream_group, items, self.max_object_bytes, self.mmap
-            )
+            await asyncio.get_running_loop().run_in_executor(None, job)
 
     def _may_read(self, name: str) -> bool:
         """Count a read of `name`; False (a counted miss) if it cannot be an object name."""
