@@ -27,7 +27,7 @@ MAX_NAME_LEN = 320
 
 _SAFE = re.compile(r"[A-Za-z0-9_\-]")
 _ALL_SAFE = re.compile(r"[A-Za-z0-9_\-]+")
-_HEX_HASH = re.compile(r"^-?[0-9a-f]+$|^h[0-9a-f]+$")
+_HEX_HASH = re.compile(r"^-?[0-9a-f]+$|^h(?:[0-9a-f]{2})*$")
 
 
 class InvalidKeyError(ValueError):
@@ -140,6 +140,29 @@ def _parse_hash(text: str) -> int | str | bytes:
     raise InvalidKeyError(f"bad chunk hash segment {text!r}")
 
 
+@functools.lru_cache(maxsize=1024)
+def _group_prefix(namespace: str, model: str, fmt: str, world_size: int, worker_id: int) -> str:
+    """``ns/model/fmt-W-R/``: the part of a chunk's name every chunk of one model, rank
+    and format shares, escaped and checked once, not once per chunk."""
+    if world_size < 1 or not 0 <= worker_id < max(world_size, 1):
+        raise InvalidKeyError(f"worker_id {worker_id} outside world_size {world_size}")
+    prefix = f"{escape_component(namespace)}/{escape_component(model)}/{escape_component(fmt)}-{world_size}-{worker_id}/"
+    check_object_name(prefix + "0")
+    return prefix
+
+
+def chunk_object_name(
+    namespace: str, model: str, fmt: str, world_size: int, worker_id: int, chunk_hash: int | str | bytes
+) -> str:
+    """`ChunkKey.object_name` without building the key (the lookup path names every chunk
+    of a prompt on each call).  The prefix is ASCII and checked (`_group_prefix`); the hash
+    segment is ASCII, non-empty and never ``.`` or ``..``, so only the length is left."""
+    name = _group_prefix(namespace, model, fmt, world_size, worker_id) + _hash_text(chunk_hash)
+    if len(name) > MAX_NAME_LEN:
+        raise InvalidKeyError(f"object name longer than {MAX_NAME_LEN} bytes; build names with ChunkKey")
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkKey:
     """One KV chunk's identity, as LMCache's ``CacheEngineKey`` names it, plus a tenant."""
@@ -153,14 +176,7 @@ class ChunkKey:
 
     def object_name(self) -> str:
         """The backend object name; stable across processes and versions."""
-        if self.world_size < 1 or not 0 <= self.worker_id < max(self.world_size, 1):
-            raise InvalidKeyError(f"worker_id {self.worker_id} outside world_size {self.world_size}")
-        name = (
-            f"{escape_component(self.namespace)}/{escape_component(self.model)}/"
-            f"{escape_component(self.fmt)}-{self.world_size}-{self.worker_id}/"
-            f"{_hash_text(self.chunk_hash)}"
-        )
-        return check_object_name(name)
+        return chunk_object_name(self.namespace, self.model, self.fmt, self.world_size, self.worker_id, self.chunk_hash)
 
     @classmethod
     def from_object_name(cls, name: str) -> ChunkKey:

@@ -48,12 +48,21 @@ class InProcessBridge:
                 n += 1  # being written by this process: visible to its own readers
         return n
 
+    def _known_prefix(self, names: list[str]) -> int | None:
+        """The store's answer from its books, on the caller's thread (no hop to the
+        store's loop); None when the tiers must be asked."""
+        try:
+            return self.runtime.store.known_prefix(names)
+        except Exception:  # the books changed under a read: ask on the loop
+            return None
+
     def lookup(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many leading chunks are held (blocking, within the deadline)."""
         names = self.names(keys)
         n = self._inflight_prefix(names)
         if n < len(names):
-            n += self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+            known = self._known_prefix(names[n:])
+            n += known if known is not None else self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
         self.runtime.note_lookup(names, n)
         return n
 
@@ -62,7 +71,8 @@ class InProcessBridge:
         names = self.names(keys)
         n = self._inflight_prefix(names)
         if n < len(names):
-            n += await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+            known = self._known_prefix(names[n:])
+            n += known if known is not None else await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
         self.runtime.note_lookup(names, n)
         return n
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvstore.codec.base import dtype_from_name
-from kvstore.keys import ChunkKey
+from kvstore.keys import ChunkKey, chunk_object_name
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
@@ -29,24 +29,29 @@ def chunk_key(key: CacheEngineKey, namespace: str) -> ChunkKey:
     The ``fmt`` segment carries what LMCache's key holds beyond model, world size,
     worker and hash: the KV dtype, the layer of a per-layer key and any tags.
     """
+    return ChunkKey(
+        model=key.model_name,
+        world_size=key.world_size,
+        worker_id=key.worker_id,
+        chunk_hash=key.chunk_hash,
+        fmt=_fmt_of(key),
+        namespace=namespace,
+    )
+
+
+def _fmt_of(key: CacheEngineKey) -> str:
     fmt = str(key.dtype).removeprefix("torch.")
     layer = getattr(key, "layer_id", None)
     if layer is not None:
         fmt += f".L{layer}"
     for tag, value in key.tags or ():
         fmt += f".{tag}={value}"
-    return ChunkKey(
-        model=key.model_name,
-        world_size=key.world_size,
-        worker_id=key.worker_id,
-        chunk_hash=key.chunk_hash,
-        fmt=fmt,
-        namespace=namespace,
-    )
+    return fmt
 
 
 def object_name(key: CacheEngineKey, namespace: str) -> str:
-    return chunk_key(key, namespace).object_name()
+    """``chunk_key(key, namespace).object_name()``, without building the `ChunkKey`."""
+    return chunk_object_name(namespace, key.model_name, _fmt_of(key), key.world_size, key.worker_id, key.chunk_hash)
 
 
 def payload_of(obj: MemoryObj) -> tuple[torch.Tensor, str]:

@@ -227,6 +227,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     async def contains_many(self, names: Sequence[str]) -> list[bool]: ...
 
+    def contains_now(self, names: Sequence[str]) -> builtins.list[bool] | None:
+        """`contains_many` answered at once on the caller's thread (any thread), changing
+        nothing, or None where the answer needs the network or the event loop (the
+        default).  A lookup that misses asks this before it hops to the store's loop."""
+        return None
+
     @abc.abstractmethod
     async def delete_many(self, names: Sequence[str]) -> list[bool]: ...
 

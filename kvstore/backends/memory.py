@@ -280,6 +280,9 @@ class MemoryBackend(Backend):
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         return [n in self._space.objects for n in names]
 
+    def contains_now(self, names: Sequence[str]) -> list[bool]:
+        return [n in self._space.objects for n in names]
+
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
         with self._space.lock:
             out = [self._drop(n) for n in names]

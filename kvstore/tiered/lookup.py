@@ -39,13 +39,40 @@ class Lookup:
         """Unknown to the engine, and no write or copy of ours is under way."""
         return self.p.placement.where(name) is None and not self.p.inflight.busy(name)
 
-    async def prefix(self, names: Sequence[str], now: float) -> int:
-        """How many leading `names` are servable (or, with discovery, found in a tier)."""
+    def servable_prefix(self, names: Sequence[str], now: float) -> int:
+        """How many leading `names` are servable.  Reads the books only, so another
+        thread may ask while the loop changes them: it sees each before or after."""
         n = 0
         for name in names:
             if not self.servable(name, now):
                 break
             n += 1
+        return n
+
+    def known_prefix(self, names: Sequence[str], now: float) -> int | None:
+        """`prefix` from any thread without the event loop; None when it needs the tiers
+        (with discovery, the first name not servable is unknown here, someone else may
+        have stored it, and a tier cannot say at once that it has not: `_absent_now`)."""
+        n = self.servable_prefix(names, now)
+        if n < len(names) and self.p.discover and self.discoverable(names[n]) and not self._absent_now(names[n]):
+            return None
+        return n
+
+    def _absent_now(self, name: str) -> bool:
+        """Every tier that answers says at once, on this thread, that it does not hold
+        `name` (`Backend.contains_now`; a tier failing fast holds nothing usable now)."""
+        p = self.p
+        for j, tier in enumerate(p.tiers):
+            if p.guard.refusing(j):
+                continue
+            held = tier.backend.contains_now([name])
+            if held is None or held[0]:
+                return False
+        return True
+
+    async def prefix(self, names: Sequence[str], now: float) -> int:
+        """How many leading `names` are servable (or, with discovery, found in a tier)."""
+        n = self.servable_prefix(names, now)
         # the first unknown name decides whether the rest are worth asking about
         if n < len(names) and self.p.discover and (await self.found_in_tiers(names[n : n + 1], now))[0]:
             n += 1

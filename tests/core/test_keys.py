@@ -73,3 +73,28 @@ def test_long_components_are_digested_distinctly() -> None:
     assert a != b and len(a) < 200
     with pytest.raises(InvalidKeyError, match="digest"):
         ChunkKey.from_object_name(a)
+
+
+@pytest.mark.parametrize(
+    ("key", "name"),
+    [
+        (ChunkKey("meta-llama/Llama-3.1-8B", 2, 1, -0x1234ABCD, "vllm", "tenant-a"), "tenant-a/meta-llama%2FLlama-3%2E1-8B/vllm-2-1/-1234abcd"),
+        (ChunkKey("m x.é", 1, 0, b"\x00\xff", "bfloat16.L3", "default"), "default/m%20x%2E%C3%A9/bfloat16%2EL3-1-0/h00ff"),
+        (ChunkKey("m", 1, 0, "../x", "f", "n"), "n/m/f-1-0/s%2E%2E%2Fx"),
+    ],
+)
+def test_names_are_spelled_as_earlier_versions_wrote_them(key: ChunkKey, name: str) -> None:
+    """Objects stored by an earlier version are found by name: the spelling never changes."""
+    assert key.object_name() == name
+
+
+@given(st.text(max_size=40), st.text(max_size=40), st.text(max_size=40), st.one_of(st.integers(), st.binary(max_size=40), st.text(max_size=40)))
+def test_a_name_is_the_escaped_components_joined_and_always_a_valid_object_name(
+    ns: str, model: str, fmt: str, h: int | bytes | str
+) -> None:
+    key = ChunkKey(model, 4, 3, h, fmt, ns)
+    name = key.object_name()
+    assert check_object_name(name) == name
+    assert name.rsplit("/", 1)[0] == f"{escape_component(ns)}/{escape_component(model)}/{escape_component(fmt)}-4-3"
+    if "~" not in name:  # no component shortened with a digest: the name reads back as the key
+        assert ChunkKey.from_object_name(name) == key

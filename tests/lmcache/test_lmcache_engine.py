@@ -130,3 +130,41 @@ def test_stored_chunks_carry_their_prefix_chain(make_engine, path, asyncm):
     meta = eng.kvstore_backend().runtime.store.placement.meta
     assert [meta[n].parent for n in names] == [None, *names[:3]]
     assert [meta[n].depth for n in names] == [0, 1, 2, 3]
+
+
+def test_a_lookup_does_not_wait_for_the_stores_loop_unless_a_tier_must_be_asked(make_engine):
+    """LMCache's scheduler looks up every request: chunks this process holds, and chunks
+    no tier has, are answered on its thread (no hop to kvstore's loop, ~0.1 ms each on
+    two cores); a chunk another process stored is found and adopted on the loop."""
+    import asyncio
+    import time
+    import uuid
+
+    from kvstore.tiered import TieredStore
+
+    space = f"mem://t-{uuid.uuid4().hex[:8]}"
+    eng = make_engine("plugin", False, tiers=[space])
+    tokens = torch.arange(4 * CHUNK)
+    _store(eng, tokens, random_kv(len(tokens), seed=4))
+    other = torch.arange(70_000, 70_000 + CHUNK)
+    names = _names(eng, other)
+
+    async def store_elsewhere() -> None:  # another store on the same shared space
+        async with TieredStore.from_urls([space]) as st:
+            assert await st.put_many([(names[0], torch.zeros(4))]) == [True]
+
+    asyncio.run(store_elsewhere())
+    runtime = eng.kvstore_backend().runtime
+
+    async def busy() -> None:
+        time.sleep(0.6)  # the loop is stuck in something else
+
+    blocker = runtime.submit(busy())
+    time.sleep(0.05)
+    t = time.monotonic()
+    assert eng.engine.lookup(tokens) == len(tokens)
+    assert eng.engine.lookup(torch.arange(90_000, 90_000 + CHUNK)) == 0
+    assert time.monotonic() - t < 0.3, "a lookup the books and the tiers answer at once waited for the loop"
+    assert not blocker.done()
+    assert eng.engine.lookup(other) == CHUNK  # held, but unknown here: asked on the loop
+    assert blocker.done()

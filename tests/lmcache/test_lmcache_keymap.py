@@ -29,3 +29,15 @@ def test_dtype_layer_and_tags_are_part_of_the_name():
     tagged = _key(7, request_configs={"lmcache.tag.user": "alice"})
     assert object_name(tagged, "ns") != base
     assert object_name(_key(7), "other") != base
+
+
+def test_the_lookup_paths_name_is_the_chunk_keys_name():
+    """`object_name` (what every lookup and read calls) spells exactly what `ChunkKey` does."""
+    keys = [
+        _key(7),
+        _key(-7, dtype=torch.float16),
+        _key(7).split_layers(3)[2],
+        _key(2**63 - 1, request_configs={"lmcache.tag.user": "al/ice", "lmcache.tag.k": "v"}),
+    ]
+    for k in keys:
+        assert object_name(k, "ns") == chunk_key(k, "ns").object_name()

@@ -123,6 +123,38 @@ async def test_a_write_is_invisible_until_it_lands_and_is_not_evicted_meanwhile(
     await store.close()
 
 
+async def test_known_prefix_answers_from_the_books_and_leaves_unknown_names_to_the_tiers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """What another thread may ask without the store's loop: held names yes, a name being
+    written no, a name no tier has no, and None (ask on the loop) where a tier has a name
+    the books do not know (stored by another process: discovery adopts it)."""
+    url = f"file://{tmp_path / 'd'}?fsync=false"
+    size = await frame_size()
+    gated = GatedMemoryBackend()
+    store = TieredStore([TierSpec(Tier(gated), capacity=4 * size, policy="lru")], discover=True)
+    await store.put_many([(name(0), chunk(0)), (name(1), chunk(1))])
+    assert store.known_prefix([name(0), name(1)]) == 2
+    assert store.known_prefix([name(0), name(7), name(1)]) == 1  # the memory tier says at once: no name(7)
+    assert await store.prefix_lookup([name(0), name(7), name(1)]) == 1
+    gated.gate.clear()
+    writing = asyncio.ensure_future(store.put_many([(name(2), chunk(2))]))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert store.known_prefix([name(0), name(1), name(2), name(3)]) == 2  # not yet landed: not served
+    gated.gate.set()
+    assert await writing == [True]
+    assert store.known_prefix([name(0), name(1), name(2)]) == 3
+    await store.close()
+
+    async with TieredStore.from_urls([url], discover=True) as first:
+        assert await first.put_many([(name(i), chunk(i)) for i in range(3)]) == [True] * 3
+    async with TieredStore.from_urls([url], discover=True) as later:  # a later process on the same files
+        assert later.known_prefix([name(5)]) == 0  # the disk says at once it has no such file
+        assert later.known_prefix([name(0), name(1)]) is None  # it has: found and adopted on the loop
+        assert await later.prefix_lookup([name(0), name(1), name(2), name(3)]) == 3
+    async with TieredStore.from_urls([url]) as blind:  # without discovery the books are the answer
+        assert blind.known_prefix([name(0)]) == 0
+
+
 async def test_pinned_chunks_survive_pressure_until_unpinned_or_expired() -> None:
     size = await frame_size()
     clock = FakeClock()
