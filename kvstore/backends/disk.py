@@ -169,6 +169,14 @@ class _Defective(Exception):
     any object written here); the reader quarantines it and serves a miss."""
 
 
+def _is_object_name(name: str) -> bool:
+    try:
+        check_object_name(name)
+    except InvalidKeyError:
+        return False
+    return True
+
+
 def _check_stat(st: os.stat_result, max_size: int) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise _Defective("not a regular file")
@@ -805,13 +813,7 @@ class DiskBackend(Backend):
         the next batch.  A few names are looked up on the loop itself (a `stat` of a local
         file is a few microseconds, a hop to a worker thread and back ~0.1 ms on a 2-core
         machine, and a lookup that misses asks about one name), a larger batch in one hop."""
-        valid = []
-        for name in names:
-            try:
-                check_object_name(name)
-                valid.append(name)
-            except InvalidKeyError:
-                pass
+        valid = [n for n in names if _is_object_name(n)]
         await self._open()
         if len(valid) <= INLINE_STATS:
             found = [self._file_size(n) for n in valid]
@@ -837,15 +839,7 @@ class DiskBackend(Backend):
         what it finds); None before the store is open or for a batch over `INLINE_STATS`."""
         if not self._opened.done() or len(names) > INLINE_STATS:
             return None
-        out = []
-        for name in names:
-            try:
-                check_object_name(name)
-            except InvalidKeyError:
-                out.append(False)
-                continue
-            out.append(self._file_size(name) is not None)
-        return out
+        return [_is_object_name(n) and self._file_size(n) is not None for n in names]
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
         await self._open()
