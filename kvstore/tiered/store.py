@@ -157,13 +157,15 @@ class TieredStore:
         return await self.lookup.prefix(names, now)
 
     def known_prefix(self, names: Sequence[str]) -> int | None:
-        """`prefix_lookup` answered from what this store knows, without I/O and without
-        its event loop, so a caller on another thread need not wait for the loop (a hop
-        there and back is ~0.1 ms on a 2-core machine, the whole of a hit's lookup).  It
-        only reads the engine's books (a change the loop makes meanwhile is seen before
-        or after, as a lookup's answer may be stale by the read anyway).  None when the
-        answer needs the tiers: the first name not served is unknown here and, with
-        discovery, another process may have stored it; ask `prefix_lookup` then."""
+        """`prefix_lookup` answered without this store's event loop, so a caller on
+        another thread need not wait for it (a hop there and back is ~0.1 ms on a 2-core
+        machine, the whole of a hit's lookup).  It reads the engine's books (a change
+        the loop makes meanwhile is seen before or after, as a lookup's answer may be
+        stale by the read anyway) and, with discovery, asks each tier's
+        `Backend.contains_now` about the first name the books do not serve (a `stat` on
+        disk).  None when that is not enough: a tier holds the name (another process
+        stored it; it is adopted on the loop) or cannot say at once; ask
+        `prefix_lookup` then."""
         return self.lookup.known_prefix(names, self._clock())
 
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
