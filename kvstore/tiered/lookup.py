@@ -31,8 +31,10 @@ class Lookup:
         if j is None:
             return False
         p = self.p
+        if not p.guard.refusing(j):  # tier j holds it (`visible` found it there): the common case
+            return True
         return any(
-            name in p.placement.tiers[k].resident and not p.guard.refusing(k) for k in range(j, len(p.tiers))
+            name in p.placement.tiers[k].resident and not p.guard.refusing(k) for k in range(j + 1, len(p.tiers))
         )
 
     def discoverable(self, name: str) -> bool:
