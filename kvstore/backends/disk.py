@@ -60,6 +60,7 @@ import hashlib
 import itertools
 import logging
 import os
+import re
 import sqlite3
 import stat
 import threading
@@ -99,9 +100,12 @@ MAX_FILENAME = 250
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ids = itertools.count()
-# a warm read is a copy, bound by CPU: more reading jobs than cores only contend
 INLINE_STATS = 8  # contains_many of at most this many names stats them on the event loop
+# a warm read is a copy, bound by CPU: more reading jobs than cores only contend
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.~/%-]*")  # the characters chunk names are made of
 
 
 def encode_filename(name: str) -> str:
@@ -110,7 +114,10 @@ def encode_filename(name: str) -> str:
     The two spaces are disjoint: an escaped name never starts with ``~`` (a leading
     ``~`` is written ``%7E``), so no name can be stored under another one's digest.
     """
-    enc = quote(name, safe="-_").replace(".", "%2E")
+    if _PLAIN_NAME.fullmatch(name):  # what `quote` would change here is '%' and '/' only
+        enc = name.replace("%", "%25").replace("/", "%2F").replace(".", "%2E")
+    else:
+        enc = quote(name, safe="-_").replace(".", "%2E")
     if enc.startswith("~"):
         enc = "%7E" + enc[1:]
     if len(enc) <= MAX_FILENAME:
@@ -297,6 +304,7 @@ class DiskBackend(Backend):
             option_size("capacity", capacity)
         self.root = Path(root)
         self.objects_dir = self.root / "objects"
+        self._objects = str(self.objects_dir)
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.objects_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -459,8 +467,8 @@ class DiskBackend(Backend):
         return True
 
     def _file_size(self, name: str) -> int | None:
-        try:
-            st = os.stat(self.path_of(name))
+        try:  # a string path: building a `Path` took as long as the stat
+            st = os.stat(os.path.join(self._objects, shard_of(name), encode_filename(name)))
         except OSError:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None

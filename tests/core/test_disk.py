@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstore.backends import open_backend
 from kvstore.backends.disk import DiskBackend
@@ -284,3 +287,18 @@ async def test_names_starting_with_tilde_written_before_are_renamed_on_open(tmp_
     assert [bytes(v) for v in await be.get_many([name])] == [b"old"]
     assert [i.name async for i in be.list()] == [name]
     assert sorted(p.name for p in shard.iterdir()) == ["%7Ex%2Fy"]
+
+
+@given(st.text(alphabet=st.sampled_from("ab09_-.~/%Z é\\x00:"), max_size=60) | st.text(max_size=60))
+def test_file_names_are_spelled_as_before_on_the_fast_path_too(name: str) -> None:
+    """Files written by earlier versions are found: the file name of a name never changes
+    (the spelling `quote` gives, '.' escaped, a leading '~' escaped, long names digested)."""
+    from urllib.parse import quote
+
+    from kvstore.backends.disk import MAX_FILENAME, encode_filename
+
+    enc = quote(name, safe="-_").replace(".", "%2E")
+    enc = "%7E" + enc[1:] if enc.startswith("~") else enc
+    if len(enc) > MAX_FILENAME:
+        enc = "~" + hashlib.blake2b(name.encode(), digest_size=20).hexdigest()
+    assert encode_filename(name) == enc
