@@ -140,7 +140,7 @@ def _parse_hash(text: str) -> int | str | bytes:
     raise InvalidKeyError(f"bad chunk hash segment {text!r}")
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: 1 and 1.0 are spelled apart
 def _group_prefix(namespace: str, model: str, fmt: str, world_size: int, worker_id: int) -> str:
     """``ns/model/fmt-W-R/``: the part of a chunk's name every chunk of one model, rank
     and format shares, escaped and checked once, not once per chunk."""

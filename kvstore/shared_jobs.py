@@ -13,7 +13,8 @@ is left, and the batch ends at most one item's time after its first job is idle.
 
 Cancellation: the items not yet begun are dropped (their result stays None) and the
 steps under way run to their end before `run_shared` re-raises, since they may be
-writing into buffers the caller frees once it has left.
+writing into buffers the caller frees once it has left.  A job that cannot start leaves
+the items to the others; its exception is raised once they have all ended.
 """
 
 from __future__ import annotations
@@ -59,13 +60,18 @@ async def run_shared(
             return loop.run_in_executor(None, fn)
 
     run = start
-    together = asyncio.gather(*(run(job) for _ in range(max(1, min(jobs, len(items))))))
+    # every job's end awaited, whatever ends the others (a job that could not start must
+    # not leave the rest writing into the caller's buffers after this returns)
+    together = asyncio.gather(*(run(job) for _ in range(max(1, min(jobs, len(items))))), return_exceptions=True)
     try:
-        await asyncio.shield(together)
+        ended = await asyncio.shield(together)
     except asyncio.CancelledError:
         queue.clear()
         await wait_out(together)
         raise
+    for e in ended:
+        if isinstance(e, BaseException):
+            raise e
     return out
 
 

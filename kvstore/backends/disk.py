@@ -29,7 +29,10 @@ Layout::
   walk in the index thread; temp files of dead writers are swept in a thread of its own.
 * Blocking calls run in aiofiles' executor or the index thread: one hop per write plus
   one index transaction; one hop per read when this process knows the object's size
-  (allocate, then open + ``preadv`` + close), else two.
+  (allocate, then open + ``preadv`` + close), else two.  The exception is a `stat` of a
+  few names for a lookup (`contains_now` on the caller's thread, `contains_many` on
+  the loop): only on a local file system, and not within a minute of one that took
+  over a millisecond (`_sizes_now`); elsewhere they take a worker thread too.
 * ``read_streamed`` (see `kvstore.backends.stream`) reads an object's head, lets the
   reader pick where the rest lands, and copies the payload there through a read-only
   mapping of the file, checksummed in the same pass (`kvstore.checksum.mapped_crc32c`;
@@ -39,9 +42,9 @@ Layout::
   (writes rename a new file over it, deletes unlink it): a process that truncates a
   file under the root while it is read would make the reader fault; set ``mmap=false``
   where something other than kvstore rewrites these files, or on a network file system
-  where another host's delete can withdraw an open file.  A batch is split among at
-  most ``concurrency`` worker jobs, no more than the CPUs this process may run on (one
-  hop each, not one per object).
+  where another host's delete can withdraw an open file.  A batch is read by at most
+  ``concurrency`` worker jobs, no more than the CPUs this process may run on (one hop
+  each, not one per object), each taking the next object until none is left.
 * ENOSPC, EACCES and files vanishing underneath are counted errors / misses.
 
 File names are the object name percent-escaped (``/`` → ``%2F``, ``.`` → ``%2E``), so
@@ -88,7 +91,7 @@ from kvstore.backends.base import (
     redact_url,
 )
 from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
-from kvstore.backends.stream import StreamSink
+from kvstore.backends.stream import StreamSink, wait_out
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.options import option_bool, option_int, option_size, url_options
 from kvstore.shared_jobs import run_shared
@@ -101,6 +104,10 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ids = itertools.count()
 INLINE_STATS = 8  # contains_many of at most this many names stats them on the event loop
+SLOW_STAT_S = 0.001  # a stat slower than this sends stats back to worker threads...
+SLOW_STAT_BACKOFF_S = 60.0  # ...for this long
+# file systems whose stat is a local metadata lookup (not a network round trip)
+LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs"})
 # a warm read is a copy, bound by CPU: more reading jobs than cores only contend
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -174,6 +181,26 @@ def _write_object(path: Path, name: str, parts: list[memoryview], size: int, fsy
 class _Defective(Exception):
     """What is at an object's path cannot be that object (a directory, a file larger than
     any object written here); the reader quarantines it and serves a miss."""
+
+
+def local_file_system(path: Path) -> bool:
+    """Whether `path` lies on a local file system (`LOCAL_FILE_SYSTEMS`, by the longest
+    mount point in ``/proc/mounts`` above it); False where that cannot be told."""
+    try:
+        target = os.path.realpath(path)
+        best, fstype = "", ""
+        with open("/proc/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                point = fields[1].replace("\\040", " ")
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, fstype = point, fields[2]
+    except OSError:
+        return False
+    return fstype in LOCAL_FILE_SYSTEMS
 
 
 def _is_object_name(name: str) -> bool:
@@ -305,6 +332,9 @@ class DiskBackend(Backend):
         self.root = Path(root)
         self.objects_dir = self.root / "objects"
         self._objects = str(self.objects_dir)
+        # stats on the loop or the caller's thread only where one is a local lookup, and
+        # not for a while after one was slow (`_sizes_now`)
+        self._stat_inline_after = 0.0 if local_file_system(self.root) else float("inf")
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.objects_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -711,22 +741,36 @@ class DiskBackend(Backend):
                 min(self.concurrency, _CPUS),
                 self._run_job,
             )
-            fault: Exception | None = None
-            for k, r in zip(todo, results):
-                if isinstance(r, tuple):
-                    size, got, out[k] = r
-                    self._read_done(names[k], size, got)
-                elif isinstance(r, (OSError, _Defective)):
-                    await self._read_failed(names[k], r)
-                else:  # a fault in the reader's sink, not in the object: raised once all are done
-                    self.counters.misses += 1
-                    fault = fault or r
+            # the bookkeeping (a quarantine, the index) is not cut short by a cancellation
+            settling = asyncio.ensure_future(self._settle(names, todo, results, out))
+            try:
+                fault = await asyncio.shield(settling)
+            except asyncio.CancelledError:
+                await wait_out(settling)
+                raise
         finally:
             for k in todo:
                 self._unreading(names[k])
         if fault is not None:
             raise fault
         return out
+
+    async def _settle(
+        self, names: Sequence[str], todo: list[int], results: Sequence[object], out: list[object | None]
+    ) -> Exception | None:
+        """Each read's outcome on the books; the first fault of a reader's sink (not of an
+        object), raised by the caller once all are settled."""
+        fault: Exception | None = None
+        for k, r in zip(todo, results):
+            if isinstance(r, tuple):
+                size, got, out[k] = r
+                self._read_done(names[k], size, got)
+            elif isinstance(r, (OSError, _Defective)):
+                await self._read_failed(names[k], r)
+            elif isinstance(r, Exception):
+                self.counters.misses += 1
+                fault = fault or r
+        return fault
 
     def _stream_step(self, item: tuple[Path, StreamSink]) -> tuple[int, int, object]:
         return _stream_one(item[0], item[1], self.max_object_bytes, self.mmap)
@@ -823,9 +867,8 @@ class DiskBackend(Backend):
         machine, and a lookup that misses asks about one name), a larger batch in one hop."""
         valid = [n for n in names if _is_object_name(n)]
         await self._open()
-        if len(valid) <= INLINE_STATS:
-            found = [self._file_size(n) for n in valid]
-        else:
+        found = self._sizes_now(valid)
+        if found is None:
             found = await asyncio.to_thread(lambda: [self._file_size(n) for n in valid])
         sizes = dict(zip(valid, found))
         out = []
@@ -844,10 +887,29 @@ class DiskBackend(Backend):
 
     def contains_now(self, names: Sequence[str]) -> list[bool] | None:
         """A `stat` per name on the caller's thread, no bookkeeping (`contains_many` adopts
-        what it finds); None before the store is open or for a batch over `INLINE_STATS`."""
-        if not self._opened.done() or len(names) > INLINE_STATS:
+        what it finds); None before the store is open and where `_sizes_now` says no."""
+        if not self._opened.done():
             return None
-        return [_is_object_name(n) and self._file_size(n) is not None for n in names]
+        valid = [n for n in names if _is_object_name(n)]
+        sizes = self._sizes_now(valid)
+        if sizes is None:
+            return None
+        found = {n for n, size in zip(valid, sizes) if size is not None}
+        return [n in found for n in names]
+
+    def _sizes_now(self, names: list[str]) -> list[int | None] | None:
+        """`_file_size` of each name on this thread, or None (ask a worker thread) for a
+        batch over `INLINE_STATS`, a file system that is not local, or within
+        `SLOW_STAT_BACKOFF_S` of a stat that took over `SLOW_STAT_S`: a stat that waits on
+        a server or a cold disk must not hold the event loop or LMCache's thread."""
+        if len(names) > INLINE_STATS or time.monotonic() < self._stat_inline_after:
+            return None
+        t0 = time.perf_counter()
+        sizes = [self._file_size(n) for n in names]
+        if time.perf_counter() - t0 > SLOW_STAT_S * max(1, len(names)):
+            self._stat_inline_after = time.monotonic() + SLOW_STAT_BACKOFF_S
+            log.info("kvstore disk: a stat under %s was slow; stats go to worker threads for %.0fs", self.root, SLOW_STAT_BACKOFF_S)
+        return sizes
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
         await self._open()

@@ -54,11 +54,18 @@ class Lookup:
     def known_prefix(self, names: Sequence[str], now: float) -> int | None:
         """`prefix` from any thread without the event loop; None when it needs the tiers
         (with discovery, the first name not servable is unknown here, someone else may
-        have stored it, and a tier cannot say at once that it has not: `_absent_now`)."""
+        have stored it, and a tier cannot say at once that it has not: `_absent_now`)
+        or when the loop changed the books in a way a reader must not see half of
+        (`Parts.changing`) while they were read."""
+        stamp = self.p.stamp()
+        if stamp is None:  # the loop is in the middle of changing the books
+            return None
         n = self.servable_prefix(names, now)
         if n < len(names) and self.p.discover and self.discoverable(names[n]) and not self._absent_now(names[n]):
             return None
-        return n
+        # the loop may have changed the books while they were read: the reads could mix
+        # two states (a name seen placed, then its failed write's mark seen cleared)
+        return n if self.p.unchanged_since(stamp) else None
 
     def _absent_now(self, name: str) -> bool:
         """Every tier that answers says at once, on this thread, that it does not hold

@@ -12,7 +12,8 @@ through `guard`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvstore.buffers import BufferPool
@@ -41,15 +42,43 @@ class Parts:
     discover: bool
     counters: StoreCounters
     on_gone: Callable[[list[str]], None] | None = None  # told the names that left every tier
+    # the books' seqlock (see `changing`): stretches under way, stretches ended
+    _changing: int = 0
+    _changed: int = 0
+
+    @contextmanager
+    def changing(self) -> Iterator[None]:
+        """Around a stretch of changes to the books whose middle a reader on another
+        thread must not take for a state (a name placed before it is marked as being
+        written; a failed write's mark cleared before the name is forgotten).  The
+        loop's own tasks never see the middle of a synchronous stretch; another thread
+        can, and `stamp` / `unchanged_since` tell it that it may have."""
+        self._changing += 1
+        try:
+            yield
+        finally:
+            self._changed += 1
+            self._changing -= 1
+
+    def stamp(self) -> int | None:
+        """For a reader on another thread, before it reads the books: None while a
+        stretch of changes is under way (ask on the loop instead)."""
+        changed = self._changed  # read before `_changing`: a stretch ending between is seen
+        return None if self._changing else changed
+
+    def unchanged_since(self, stamp: int) -> bool:
+        """After the read: no stretch of changes began or ended since `stamp`."""
+        return self._changing == 0 and self._changed == stamp  # `_changing` read first
 
     def forget(self, name: str, j: int) -> bool:
         """`name`'s bytes never landed in tier `j` (a failed write or copy): off the books.
         True if `name` is in no tier now."""
-        self.placement.forget(name, j)
-        if self.placement.where(name) is None:
-            self.book.discard(name)
-            return True
-        return False
+        with self.changing():
+            self.placement.forget(name, j)
+            if self.placement.where(name) is None:
+                self.book.discard(name)
+                return True
+            return False
 
     def lost(self, j: int, names: Sequence[str]) -> None:
         """Tier `j` no longer has `names` (found gone by a read, or evicted by the backend

@@ -166,6 +166,8 @@ class TieredStore:
         disk).  None when that is not enough: a tier holds the name (another process
         stored it; it is adopted on the loop) or cannot say at once; ask
         `prefix_lookup` then."""
+        if self._closed:
+            return None
         return self.lookup.known_prefix(names, self._clock())
 
     async def contains_many(self, names: Sequence[str]) -> list[bool]:

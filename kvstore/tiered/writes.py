@@ -49,7 +49,40 @@ class Writer:
         results = [False] * len(items)
         frames = await self._frames(items, layout)
 
-        # decide everything first (synchronously: no other task sees a half-made plan)
+        # decide everything first (synchronously: no other task sees a half-made plan,
+        # and a reader on another thread knows one is being made: `Parts.changing`)
+        with p.changing():
+            ticket, writes, moves = self._plan(items, frames, results, chained, parent, now)
+
+        await self.mover.carry_out(moves)
+        # the caller's data: written in the foreground, one batch per tier
+        by_tier: dict[int, list[tuple[int, Write]]] = {}
+        for i, w in writes:
+            by_tier.setdefault(w.dst, []).append((i, w))
+        try:
+            await asyncio.gather(
+                *(self._write_tier(j, b, items, frames, layout, results, ticket) for j, b in by_tier.items())
+            )
+        finally:
+            p.inflight.complete(ticket)
+        for name, _ in items:
+            if p.placement.where(name) is None:
+                p.book.discard(name)
+        p.update_gauges()
+        return results
+
+    def _plan(
+        self,
+        items: Sequence[tuple[str, torch.Tensor]],
+        frames: list[list[memoryview] | None],
+        results: list[bool],
+        chained: bool,
+        parent: str | None,
+        now: float,
+    ) -> tuple[Ticket, list[tuple[int, Write]], list[Move]]:
+        """Where each framed item goes: the engine's decisions, quota evictions, the
+        writes marked in flight (a name already held is a touch: `results` True)."""
+        p = self.p
         protected = p.inflight
         moves: list[Move] = []
         writes: list[tuple[int, Write]] = []
@@ -88,23 +121,7 @@ class Writer:
         writes, moves = self._shortest_way(writes, moves)
         for _, w in writes:
             p.inflight.add_write(ticket, w.key)
-
-        await self.mover.carry_out(moves)
-        # the caller's data: written in the foreground, one batch per tier
-        by_tier: dict[int, list[tuple[int, Write]]] = {}
-        for i, w in writes:
-            by_tier.setdefault(w.dst, []).append((i, w))
-        try:
-            await asyncio.gather(
-                *(self._write_tier(j, b, items, frames, layout, results, ticket) for j, b in by_tier.items())
-            )
-        finally:
-            p.inflight.complete(ticket)
-        for name, _ in items:
-            if p.placement.where(name) is None:
-                p.book.discard(name)
-        p.update_gauges()
-        return results
+        return ticket, writes, moves
 
     async def _frames(
         self, items: Sequence[tuple[str, torch.Tensor]], layout: str
@@ -195,16 +212,19 @@ class Writer:
         ok = [next(written) if e else False for e in encoded]
         for (i, w), good in zip(batch, ok):
             name = w.key
+            if not good:  # off the books as it stops being written, in one stretch
+                p.metrics.errors.labels("put", p.labels[j]).inc()
+                with p.changing():
+                    p.inflight.wrote(ticket, name)
+                    p.placement.forget(name, j)
+                continue
             p.inflight.wrote(ticket, name)
-            if good and name not in p.placement.tiers[j].resident:
+            if name not in p.placement.tiers[j].resident:
                 # evicted by a later chunk of this batch before it landed: a demotion
                 # (waiting for this write) has copied it on, or it was dropped
                 if not p.inflight.copying(name):  # else the name's last copy cleans up
                     await p.guard.delete(j, [name])
                 results[i] = p.placement.where(name) is not None
-            elif good:
+            else:
                 results[i] = True
                 p.metrics.bytes_in.labels(p.labels[j], namespace_of(name)).inc(w.size)
-            else:
-                p.metrics.errors.labels("put", p.labels[j]).inc()
-                p.placement.forget(name, j)

@@ -302,3 +302,39 @@ def test_file_names_are_spelled_as_before_on_the_fast_path_too(name: str) -> Non
     if len(enc) > MAX_FILENAME:
         enc = "~" + hashlib.blake2b(name.encode(), digest_size=20).hexdigest()
     assert encode_filename(name) == enc
+
+
+async def test_stats_leave_the_calling_thread_on_a_remote_file_system_or_after_a_slow_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lookup may stat on the caller's thread (LMCache's, or the event loop) only where a
+    stat is a local lookup: not on a network file system, not after one took too long."""
+    from kvstore.backends import disk
+
+    be = DiskBackend(tmp_path / "d", fsync=False)
+    await be.ready()
+    assert await be.put("ns/m/f-1-0/1", b"x")
+    assert disk.local_file_system(tmp_path) is True or be.contains_now(["ns/m/f-1-0/1"]) is None
+    if disk.local_file_system(tmp_path):
+        assert be.contains_now(["ns/m/f-1-0/1", "ns/m/f-1-0/2", "../x"]) == [True, False, False]
+    monkeypatch.setattr(disk, "SLOW_STAT_S", 0.0)  # every stat is "slow" now
+    be.contains_now(["ns/m/f-1-0/1"])
+    assert be.contains_now(["ns/m/f-1-0/1"]) is None  # backed off: the loop path's thread asks
+    assert await be.contains_many(["ns/m/f-1-0/1", "ns/m/f-1-0/2"]) == [True, False]  # still answered
+
+    monkeypatch.setattr(disk, "local_file_system", lambda path: False)  # say, NFS
+    remote = DiskBackend(tmp_path / "d", fsync=False)
+    await remote.ready()
+    assert remote.contains_now(["ns/m/f-1-0/1"]) is None
+    assert await remote.contains_many(["ns/m/f-1-0/1"]) == [True]
+    await be.close()
+    await remote.close()
+
+
+def test_the_file_system_of_a_path_is_read_from_the_mount_table(tmp_path: Path) -> None:
+    from kvstore.backends.disk import local_file_system
+
+    assert local_file_system(Path("/proc/self")) is False  # procfs: not a place for objects
+    shm = [line.split()[2] for line in Path("/proc/mounts").read_text().splitlines() if line.split()[1] == "/dev/shm"]
+    if shm == ["tmpfs"]:
+        assert local_file_system(Path("/dev/shm/kvstore-test")) is True

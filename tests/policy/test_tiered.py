@@ -148,7 +148,11 @@ async def test_known_prefix_answers_from_the_books_and_leaves_unknown_names_to_t
     async with TieredStore.from_urls([url], discover=True) as first:
         assert await first.put_many([(name(i), chunk(i)) for i in range(3)]) == [True] * 3
     async with TieredStore.from_urls([url], discover=True) as later:  # a later process on the same files
-        assert later.known_prefix([name(5)]) == 0  # the disk says at once it has no such file
+        assert later.known_prefix([name(5)]) in (None, 0)  # None while its index opens
+        await later.tiers[0].backend.ready()  # type: ignore[attr-defined]
+        from kvstore.backends.disk import local_file_system
+
+        assert later.known_prefix([name(5)]) == (0 if local_file_system(tmp_path) else None)  # the disk says at once it has no such file
         assert later.known_prefix([name(0), name(1)]) is None  # it has: found and adopted on the loop
         assert await later.prefix_lookup([name(0), name(1), name(2), name(3)]) == 3
     async with TieredStore.from_urls([url]) as blind:  # without discovery the books are the answer
@@ -281,4 +285,70 @@ async def test_large_chunks_are_framed_off_the_event_loop_and_round_trip() -> No
     assert framed_on.count(loop_thread) == 1  # only the small one on the loop
     got = await store.get_many([n for n, _ in items])
     assert all(g is not None and torch.equal(g, t) for g, (_, t) in zip(got, items))
+    await store.close()
+
+
+class _FailingMemory(MemoryBackend):
+    async def put_many(self, items):  # type: ignore[no-untyped-def]
+        return [False] * len(items)
+
+
+async def test_known_prefix_never_sees_the_middle_of_a_write_being_planned_or_failing() -> None:
+    """A reader on another thread may be switched in between any two steps of the loop:
+    placed-but-not-yet-marked-as-writing and unmarked-but-not-yet-forgotten are not
+    states a lookup may answer "held" from."""
+    store = TieredStore.from_urls(["mem://"])
+    seen: list[int | None] = []
+    real_add = store.inflight.add_write
+
+    def add_write(ticket, key):  # type: ignore[no-untyped-def]
+        seen.append(store.known_prefix([key]))  # placed by the engine, not yet marked
+        real_add(ticket, key)
+
+    store.inflight.add_write = add_write  # type: ignore[method-assign]
+    assert await store.put_many([(name(1), chunk(1))]) == [True]
+    assert seen == [None] and store.known_prefix([name(1)]) == 1
+    await store.close()
+
+    failing = TieredStore([TierSpec(Tier(_FailingMemory("mem://")), capacity=1 << 20, policy="lru")])
+    real_wrote = failing.inflight.wrote
+
+    def wrote(ticket, key):  # type: ignore[no-untyped-def]
+        real_wrote(ticket, key)
+        seen.append(failing.known_prefix([key]))  # no longer marked, not yet forgotten
+
+    failing.inflight.wrote = wrote  # type: ignore[method-assign]
+    assert await failing.put_many([(name(2), chunk(2))]) == [False]
+    assert seen[1:] == [None] and failing.known_prefix([name(2)]) == 0
+    await failing.close()
+
+
+async def test_known_prefix_on_another_thread_never_promises_a_chunk_whose_write_failed() -> None:
+    import sys
+    import threading
+
+    store = TieredStore([TierSpec(Tier(_FailingMemory("mem://")), capacity=1 << 30, policy="lru")])
+    asked = [name(0)]
+    stop = threading.Event()
+    answers = {"held": 0, "all": 0}
+
+    def reader() -> None:
+        while not stop.is_set():
+            answers["held"] += bool(store.known_prefix(list(asked)))
+            answers["all"] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(300):
+            names = [f"t/m/raw-1-0/{i:04x}{k}" for k in range(8)]
+            asked[:] = names[:1]
+            assert await store.put_many([(n, chunk(k)) for k, n in enumerate(names)]) == [False] * 8
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert answers["all"] > 1000 and answers["held"] == 0
     await store.close()
