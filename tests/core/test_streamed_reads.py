@@ -93,7 +93,7 @@ async def test_known_size_reads_in_one_hop_and_a_rewritten_file_still_reads(tmp_
 
 async def test_a_cancelled_read_returns_only_after_the_writes_into_out_end(tmp_path: Path) -> None:
     st = _store(tmp_path)
-    names = [f"ns/m/f-1-0/{i}" for i in range(6)]
+    names = [f"ns/m/f-1-0/{i}" for i in range(12)]
     await st.put_many([(n, torch.randint(1, 1 << 30, (1024, 1024), dtype=torch.int32)) for n in names])
     backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
     outs = [torch.zeros(1024, 1024, dtype=torch.int32) for _ in names]  # bits, not floats: NaN != NaN
@@ -106,6 +106,7 @@ async def test_a_cancelled_read_returns_only_after_the_writes_into_out_end(tmp_p
     seen = [o.clone() for o in outs]
     await asyncio.sleep(0.3)
     assert all(torch.equal(o, s) for o, s in zip(outs, seen)), "a worker thread wrote into `out` after cancel"
+    assert any(not o.any() for o in outs), "the objects not begun when it was cancelled are not read"
     await st.close()
 
 
