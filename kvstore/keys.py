@@ -159,7 +159,7 @@ def chunk_object_name(
     segment is ASCII, non-empty and never ``.`` or ``..``, so only the length is left."""
     name = _group_prefix(namespace, model, fmt, world_size, worker_id) + _hash_text(chunk_hash)
     if len(name) > MAX_NAME_LEN:
-        raise InvalidKeyError(f"object name longer than {MAX_NAME_LEN} bytes; build names with ChunkKey")
+        raise InvalidKeyError(f"object name longer than {MAX_NAME_LEN} bytes")
     return name
 
 

@@ -40,6 +40,8 @@ async def run_shared(
     item's place, an `Exception` a step raised in its place (the other items still run),
     None for an item a cancellation dropped before it began."""
     out: list[R | Exception | None] = [None] * len(items)
+    if not items:
+        return out
     queue: deque[int] = deque(range(len(items)))
 
     def job() -> None:

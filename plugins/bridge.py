@@ -53,7 +53,7 @@ class InProcessBridge:
         store's loop); None when the tiers must be asked."""
         try:
             return self.runtime.store.known_prefix(names)
-        except Exception:  # the books changed under a read: ask on the loop
+        except Exception:  # a fault here must not fail LMCache's lookup: ask on the loop
             return None
 
     def lookup(self, keys: Sequence[CacheEngineKey]) -> int:

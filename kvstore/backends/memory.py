@@ -278,7 +278,7 @@ class MemoryBackend(Backend):
         return out
 
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
-        return [n in self._space.objects for n in names]
+        return self.contains_now(names)
 
     def contains_now(self, names: Sequence[str]) -> list[bool]:
         return [n in self._space.objects for n in names]

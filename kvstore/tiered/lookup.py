@@ -42,8 +42,9 @@ class Lookup:
         return self.p.placement.where(name) is None and not self.p.inflight.busy(name)
 
     def servable_prefix(self, names: Sequence[str], now: float) -> int:
-        """How many leading `names` are servable.  Reads the books only, so another
-        thread may ask while the loop changes them: it sees each before or after."""
+        """How many leading `names` are servable.  Reads the books only (membership
+        tests, no iteration), so another thread may ask; whether the loop changed them
+        meanwhile is for the caller to tell (`known_prefix`)."""
         n = 0
         for name in names:
             if not self.servable(name, now):

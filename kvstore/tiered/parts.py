@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvstore.buffers import BufferPool
 from kvstore.namespaces import NamespaceBook
@@ -43,8 +43,8 @@ class Parts:
     counters: StoreCounters
     on_gone: Callable[[list[str]], None] | None = None  # told the names that left every tier
     # the books' seqlock (see `changing`): stretches under way, stretches ended
-    _changing: int = 0
-    _changed: int = 0
+    _changing: int = field(default=0, init=False, repr=False)
+    _changed: int = field(default=0, init=False, repr=False)
 
     @contextmanager
     def changing(self) -> Iterator[None]:

@@ -159,9 +159,10 @@ class TieredStore:
     def known_prefix(self, names: Sequence[str]) -> int | None:
         """`prefix_lookup` answered without this store's event loop, so a caller on
         another thread need not wait for it (a hop there and back is ~0.1 ms on a 2-core
-        machine, the whole of a hit's lookup).  It reads the engine's books (a change
-        the loop makes meanwhile is seen before or after, as a lookup's answer may be
-        stale by the read anyway) and, with discovery, asks each tier's
+        machine, the whole of a hit's lookup).  It reads the engine's books (a read that
+        overlapped a stretch of the loop's changes answers None: `Parts.changing`; an
+        answer may still be stale by the read, as any lookup's is) and, with discovery,
+        asks each tier's
         `Backend.contains_now` about the first name the books do not serve (a `stat` on
         disk).  None when that is not enough: a tier holds the name (another process
         stored it; it is adopted on the loop) or cannot say at once; ask
