@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 DEFAULT_NAMESPACE = "default"
@@ -161,6 +162,19 @@ def chunk_object_name(
     if len(name) > MAX_NAME_LEN:
         raise InvalidKeyError(f"object name longer than {MAX_NAME_LEN} bytes")
     return name
+
+
+def chunk_object_names(
+    namespace: str, model: str, fmt: str, world_size: int, worker_id: int, chunk_hashes: Iterable[int | str | bytes]
+) -> list[str]:
+    """`chunk_object_name` of each hash in one group (a prompt's chunks): the group's
+    part of the name is looked up once, an int hash is formatted in place."""
+    prefix = _group_prefix(namespace, model, fmt, world_size, worker_id)
+    names = [prefix + (format(h, "x") if type(h) is int else _hash_text(h)) for h in chunk_hashes]
+    for name in names:
+        if len(name) > MAX_NAME_LEN:
+            raise InvalidKeyError(f"object name longer than {MAX_NAME_LEN} bytes")
+    return names
 
 
 @dataclass(frozen=True, slots=True)

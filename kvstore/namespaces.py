@@ -47,6 +47,8 @@ class NamespaceBook:
     ) -> None:
         self.rules = dict(rules or {})
         self.default = default
+        # no namespace has a TTL: nothing expires, and a lookup need not ask per name
+        self.expires = default.ttl is not None or any(r.ttl is not None for r in self.rules.values())
         self._held: dict[str, OrderedDict[str, tuple[int, float]]] = {}
         self.used: dict[str, int] = {}
 
@@ -75,6 +77,8 @@ class NamespaceBook:
         return isinstance(name, str) and name in self._held.get(namespace_of(name), {})
 
     def is_expired(self, name: str, now: float) -> bool:
+        if not self.expires:
+            return False
         ttl = self.rule(namespace_of(name)).ttl
         if ttl is None:
             return False

@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstore_lmcache.chunk_io import read_chunks, write_chunks
-from kvstore_lmcache.keymap import object_name
+from kvstore_lmcache.keymap import object_names
 from kvstore_lmcache.runtime import StoreRuntime
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class InProcessBridge:
         self.namespace = runtime.cfg.namespace
 
     def names(self, keys: Sequence[CacheEngineKey]) -> list[str]:
-        return [object_name(k, self.namespace) for k in keys]
+        return object_names(keys, self.namespace)
 
     # ----------------------------------------------------------------- lookups
     def _inflight_prefix(self, names: list[str]) -> int:
@@ -56,24 +56,36 @@ class InProcessBridge:
         except Exception:  # a fault here must not fail LMCache's lookup: ask on the loop
             return None
 
+    def _lookup_now(self, keys: Sequence[CacheEngineKey]) -> tuple[list[str], int, int | None]:
+        """(names, n, known): the first `n` names are being written here, `known` more
+        are held by the store's books (None: ask the store's loop about ``names[n:]``).
+        A prompt whose first chunk is a miss (most new requests) has only that chunk
+        named: `names` is then ``[first]``."""
+        names = self.names(keys[:1])
+        if not names:
+            return names, 0, 0
+        first = None if self._inflight_prefix(names) else self._known_prefix(names)
+        if first == 0:
+            return names, 0, 0
+        names += self.names(keys[1:])
+        if first == 1:  # held, not being written here: on with the rest
+            rest = self._known_prefix(names[1:]) if len(names) > 1 else 0
+            return names, 0, None if rest is None else 1 + rest
+        n = self._inflight_prefix(names)
+        return names, n, (self._known_prefix(names[n:]) if n < len(names) else 0)
+
     def lookup(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many leading chunks are held (blocking, within the deadline)."""
-        names = self.names(keys)
-        n = self._inflight_prefix(names)
-        if n < len(names):
-            known = self._known_prefix(names[n:])
-            n += known if known is not None else self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
-        self.runtime.note_lookup(names, n)
+        names, n, known = self._lookup_now(keys)
+        n += known if known is not None else self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        self.runtime.note_lookup(names, n, len(keys))
         return n
 
     async def alookup(self, keys: Sequence[CacheEngineKey]) -> int:
         """`lookup` for a caller on LMCache's event loop."""
-        names = self.names(keys)
-        n = self._inflight_prefix(names)
-        if n < len(names):
-            known = self._known_prefix(names[n:])
-            n += known if known is not None else await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
-        self.runtime.note_lookup(names, n)
+        names, n, known = self._lookup_now(keys)
+        n += known if known is not None else await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
+        self.runtime.note_lookup(names, n, len(keys))
         return n
 
     # ------------------------------------------------------------------ writes

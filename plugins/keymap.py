@@ -8,12 +8,13 @@ Must not touch: I/O, event loops.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvstore.codec.base import dtype_from_name
-from kvstore.keys import ChunkKey, chunk_object_name
+from kvstore.keys import ChunkKey, chunk_object_name, chunk_object_names
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
@@ -52,6 +53,31 @@ def _fmt_of(key: CacheEngineKey) -> str:
 def object_name(key: CacheEngineKey, namespace: str) -> str:
     """``chunk_key(key, namespace).object_name()``, without building the `ChunkKey`."""
     return chunk_object_name(namespace, key.model_name, _fmt_of(key), key.world_size, key.worker_id, key.chunk_hash)
+
+
+def object_names(keys: Sequence[CacheEngineKey], namespace: str) -> list[str]:
+    """`object_name` of each key.  A lookup names every chunk of a prompt, and they all
+    share model, rank, dtype, layer and tags: each run of keys that shares them is named
+    by one `chunk_object_names` call, which spells that part once."""
+    out: list[str] = []
+    hashes: list[Any] = []
+    group: tuple[Any, ...] | None = None
+    first: Any = None
+    for key in keys:
+        g = (key.model_name, key.world_size, key.worker_id, key.dtype, getattr(key, "layer_id", None), key.tags)
+        if g != group:
+            if hashes:
+                out += _named_run(first, hashes, namespace)
+                hashes = []
+            group, first = g, key
+        hashes.append(key.chunk_hash)
+    if hashes:
+        out += _named_run(first, hashes, namespace)
+    return out
+
+
+def _named_run(key: CacheEngineKey, hashes: list[Any], namespace: str) -> list[str]:
+    return chunk_object_names(namespace, key.model_name, _fmt_of(key), key.world_size, key.worker_id, hashes)
 
 
 def payload_of(obj: MemoryObj) -> tuple[torch.Tensor, str]:

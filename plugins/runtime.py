@@ -157,10 +157,11 @@ class StoreRuntime:
             log.warning(message)
 
     # ------------------------------------------------------------ prefix chains
-    def note_lookup(self, names: list[str], hit: int) -> None:
-        """A lookup of a prompt's chunk names found `hit` of them: the store that follows
-        starts at ``names[hit]``, whose parent is ``names[hit - 1]``."""
-        self.saw_lookups(len(names))
+    def note_lookup(self, names: list[str], hit: int, asked: int | None = None) -> None:
+        """A lookup of `asked` chunks (default: all of `names`, the leading ones named)
+        found `hit` of them: the store that follows starts at ``names[hit]``, whose
+        parent is ``names[hit - 1]``."""
+        self.saw_lookups(len(names) if asked is None else asked)
         if 0 < hit < len(names):
             self.note_chain(names[hit - 1 : hit + 1])
 

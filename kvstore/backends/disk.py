@@ -105,7 +105,7 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ids = itertools.count()
 INLINE_STATS = 8  # contains_many of at most this many names stats them on the event loop
 SLOW_STAT_S = 0.001  # a stat slower than this sends stats back to worker threads...
-SLOW_STAT_BACKOFF_S = 60.0  # ...for this long
+SLOW_STAT_BACKOFF_S = (1.0, 60.0)  # ...for 1 s (the second in a row), doubling while they stay slow, at most a minute
 # file systems whose stat is a local metadata lookup (not a network round trip)
 LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs"})
 # a warm read is a copy, bound by CPU: more reading jobs than cores only contend
@@ -335,6 +335,10 @@ class DiskBackend(Backend):
         # stats on the loop or the caller's thread only where one is a local lookup, and
         # not for a while after one was slow (`_sizes_now`)
         self._stat_inline_after = 0.0 if local_file_system(self.root) else float("inf")
+        self._slow_stats = 0  # slow stat batches in a row
+        self._stat_backoff = 0.0  # the last back-off after them
+        self._clock = time.perf_counter  # monotonic, and fine enough to time a stat
+        self._ready_now = False  # the index is open (`_opened` done), as a plain flag
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.objects_dir, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
@@ -497,8 +501,8 @@ class DiskBackend(Backend):
         return True
 
     def _file_size(self, name: str) -> int | None:
-        try:  # a string path: building a `Path` took as long as the stat
-            st = os.stat(os.path.join(self._objects, shard_of(name), encode_filename(name)))
+        try:  # a string path: building a `Path` (or `os.path.join`) took as long as the stat
+            st = os.stat(f"{self._objects}/{shard_of(name)}/{encode_filename(name)}")
         except OSError:
             return None
         return st.st_size if stat.S_ISREG(st.st_mode) else None
@@ -888,12 +892,16 @@ class DiskBackend(Backend):
     def contains_now(self, names: Sequence[str]) -> list[bool] | None:
         """A `stat` per name on the caller's thread, no bookkeeping (`contains_many` adopts
         what it finds); None before the store is open and where `_sizes_now` says no."""
-        if not self._opened.done():
-            return None
+        if not self._ready_now:
+            if not self._opened.done():  # a concurrent future: its lock is not free
+                return None
+            self._ready_now = True
         valid = [n for n in names if _is_object_name(n)]
         sizes = self._sizes_now(valid)
         if sizes is None:
             return None
+        if len(valid) == len(names):
+            return [size is not None for size in sizes]
         found = {n for n, size in zip(valid, sizes) if size is not None}
         return [n in found for n in names]
 
@@ -901,14 +909,27 @@ class DiskBackend(Backend):
         """`_file_size` of each name on this thread, or None (ask a worker thread) for a
         batch over `INLINE_STATS`, a file system that is not local, or within
         `SLOW_STAT_BACKOFF_S` of a stat that took over `SLOW_STAT_S`: a stat that waits on
-        a server or a cold disk must not hold the event loop or LMCache's thread."""
-        if len(names) > INLINE_STATS or time.monotonic() < self._stat_inline_after:
+        a server or a cold disk must not hold the event loop or LMCache's thread.
+
+        A stat's time here includes waiting for the GIL and for a core, so one slow batch
+        is as likely a busy process as a slow disk: the second slow batch in a row backs
+        off for a second, each further one (the first after the last back-off) doubles it."""
+        t0 = self._clock()
+        if len(names) > INLINE_STATS or t0 < self._stat_inline_after:
             return None
-        t0 = time.perf_counter()
         sizes = [self._file_size(n) for n in names]
-        if time.perf_counter() - t0 > SLOW_STAT_S * max(1, len(names)):
-            self._stat_inline_after = time.monotonic() + SLOW_STAT_BACKOFF_S
-            log.info("kvstore disk: a stat under %s was slow; stats go to worker threads for %.0fs", self.root, SLOW_STAT_BACKOFF_S)
+        t1 = self._clock()
+        if t1 - t0 < SLOW_STAT_S * max(1, len(names)):
+            self._slow_stats = 0
+            return sizes
+        self._slow_stats += 1
+        if self._slow_stats < 2:
+            return sizes
+        first, most = SLOW_STAT_BACKOFF_S
+        self._stat_backoff = min(most, first * 2 ** (self._slow_stats - 2))
+        self._stat_inline_after = t1 + self._stat_backoff
+        if self._stat_backoff >= most:
+            log.info("kvstore disk: stats under %s stay slow; they go to worker threads for %.0fs", self.root, most)
         return sizes
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:

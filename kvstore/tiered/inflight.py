@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Container, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -65,6 +65,11 @@ class InFlight:
 
     def writing(self, name: str) -> bool:
         return name in self._writing
+
+    @property
+    def writing_now(self) -> Container[str]:
+        """The names being written (live, for membership tests only: `writing` unrolled)."""
+        return self._writing
 
     def copying(self, name: str) -> bool:
         return name in self._copies

@@ -45,9 +45,29 @@ class Lookup:
         """How many leading `names` are servable.  Reads the books only (membership
         tests, no iteration), so another thread may ask; whether the loop changed them
         meanwhile is for the caller to tell (`known_prefix`)."""
+        p = self.p
+        if p.book.expires:
+            n = 0
+            for name in names:
+                if not self.servable(name, now):
+                    break
+                n += 1
+            return n
+        # `servable` unrolled for the common store without TTLs (a lookup asks about
+        # every chunk of a prompt, per request): the same tests, as membership tests
+        writing = p.inflight.writing_now
+        tiers = [(t.resident, p.guard.refusing(j)) for j, t in enumerate(p.placement.tiers)]
         n = 0
         for name in names:
-            if not self.servable(name, now):
+            if name in writing:
+                break
+            for resident, refusing in tiers:
+                if name in resident:  # `where`: the highest tier holding it
+                    held = not refusing or self.servable(name, now)
+                    break
+            else:
+                held = False
+            if not held:
                 break
             n += 1
         return n

@@ -308,7 +308,8 @@ async def test_stats_leave_the_calling_thread_on_a_remote_file_system_or_after_a
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A lookup may stat on the caller's thread (LMCache's, or the event loop) only where a
-    stat is a local lookup: not on a network file system, not after one took too long."""
+    stat is a local lookup: not on a network file system, not for a while after one took
+    too long (a second, doubling while they stay slow, at most a minute)."""
     from kvstore.backends import disk
 
     be = DiskBackend(tmp_path / "d", fsync=False)
@@ -317,10 +318,32 @@ async def test_stats_leave_the_calling_thread_on_a_remote_file_system_or_after_a
     assert disk.local_file_system(tmp_path) is True or be.contains_now(["ns/m/f-1-0/1"]) is None
     if disk.local_file_system(tmp_path):
         assert be.contains_now(["ns/m/f-1-0/1", "ns/m/f-1-0/2", "../x"]) == [True, False, False]
+    now = [1000.0]
+    be._clock = lambda: now[0]
     monkeypatch.setattr(disk, "SLOW_STAT_S", 0.0)  # every stat is "slow" now
-    be.contains_now(["ns/m/f-1-0/1"])
-    assert be.contains_now(["ns/m/f-1-0/1"]) is None  # backed off: the loop path's thread asks
+    name = ["ns/m/f-1-0/1"]
+    assert be.contains_now(name) == [True]  # answered, but it took too long (once: a busy process?)
+    assert be.contains_now(name) == [True]  # twice in a row...
+    assert be.contains_now(name) is None  # ...so a worker thread asks for a second
     assert await be.contains_many(["ns/m/f-1-0/1", "ns/m/f-1-0/2"]) == [True, False]  # still answered
+    now[0] += 1.1
+    assert be.contains_now(name) == [True]  # slow again, right after: two seconds now
+    now[0] += 1.5
+    assert be.contains_now(name) is None
+    now[0] += 1.0
+    monkeypatch.setattr(disk, "SLOW_STAT_S", 10.0)
+    assert be.contains_now(name) == [True]  # a fast one forgets the streak
+    monkeypatch.setattr(disk, "SLOW_STAT_S", 0.0)
+    assert be.contains_now(name) == [True]
+    assert be.contains_now(name) == [True]
+    now[0] += 1.1  # one second again, not four
+    assert be.contains_now(name) == [True]
+    for _ in range(12):  # slow for long: never more than a minute at a time
+        now[0] += 61
+        assert be.contains_now(name) == [True]
+    assert be.contains_now(name) is None
+    now[0] += 61
+    assert be.contains_now(name) == [True]
 
     monkeypatch.setattr(disk, "local_file_system", lambda path: False)  # say, NFS
     remote = DiskBackend(tmp_path / "d", fsync=False)

@@ -6,7 +6,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 
 from kvstore.keys import ChunkKey
-from kvstore_lmcache.keymap import chunk_key, object_name
+from kvstore_lmcache.keymap import chunk_key, object_name, object_names
 
 
 def _key(h: int, dtype=torch.bfloat16, **kw) -> CacheEngineKey:
@@ -41,3 +41,24 @@ def test_the_lookup_paths_name_is_the_chunk_keys_name():
     ]
     for k in keys:
         assert object_name(k, "ns") == chunk_key(k, "ns").object_name()
+
+
+def test_a_batch_of_keys_is_named_as_each_key_alone():
+    """`object_names` (a lookup names a prompt's keys at once, spelling each run of keys
+    that share model, rank, dtype, layer and tags once) gives each key its own name."""
+    layers = _key(9).split_layers(2)
+    keys = [
+        _key(1),
+        _key(2),
+        _key(3, dtype=torch.float16),  # the run changes with the dtype...
+        _key(4),
+        CacheEngineKey(model_name="org/Model-7B", world_size=2, worker_id=0, chunk_hash=4, dtype=torch.bfloat16),
+        _key(5, request_configs={"lmcache.tag.user": "bob"}),  # ...the rank, the tags...
+        _key(5, request_configs={"lmcache.tag.user": "eve"}),
+        *layers,  # ...and the layer
+        _key(-6),
+    ]
+    names = object_names(keys, "ns")
+    assert names == [object_name(k, "ns") for k in keys]
+    assert len(set(names)) == len(keys)
+    assert object_names([], "ns") == []

@@ -184,6 +184,28 @@ async def test_pinned_chunks_survive_pressure_until_unpinned_or_expired() -> Non
     await store.close()
 
 
+async def test_known_prefix_promises_nothing_held_only_by_a_tier_that_is_failing() -> None:
+    """A tier whose breaker is open serves nothing: a lookup on another thread counts a
+    chunk only where an answering tier below holds a copy."""
+    size = await frame_size()
+    store = TieredStore([TierSpec(Tier(MemoryBackend()), capacity=2 * size), TierSpec(Tier(MemoryBackend()))])
+    await store.put_many([(name(i), chunk(i)) for i in range(4)])
+    top = [i for i in range(4) if store.placement.where(name(i)) == 0]
+    assert top and store.known_prefix([name(i) for i in range(4)]) == 4
+    breaker = store.breakers[0]
+    for _ in range(breaker.failure_threshold):
+        assert breaker.allow()
+        breaker.record(False)
+    assert breaker.refusing()
+    copies = [i for i in top if name(i) in store.placement.tiers[1].resident]
+    for i in top:
+        assert store.known_prefix([name(i)]) == (1 if i in copies else 0)
+    assert store.known_prefix([name(i) for i in range(4)]) == min(
+        [i for i in top if i not in copies], default=4
+    )
+    await store.close()
+
+
 async def test_namespace_quota_drops_the_tenants_oldest_and_ttl_expires() -> None:
     size = await frame_size()
     clock = FakeClock()
@@ -198,7 +220,10 @@ async def test_namespace_quota_drops_the_tenants_oldest_and_ttl_expires() -> Non
     assert store.stats().namespaces["a"] == {"bytes": 3 * size, "objects": 3}
     clock.advance(30)
     assert await store.contains_many([name(0, "b")]) == [True]
+    assert store.known_prefix([name(0, "b"), name(1, "b")]) == 2  # a lookup on another thread too
     clock.advance(31)
+    assert store.known_prefix([name(0, "b")]) == 0  # past its TTL: not promised, even before it is dropped
+    assert store.known_prefix([name(2, "a")]) == 1  # no TTL for this tenant
     assert await store.get_many([name(0, "b")]) == [None]
     assert store.stats().namespaces["b"]["objects"] == 0
     assert await backend_names(store.tiers[0]) == {name(i, "a") for i in (2, 3, 4)}
