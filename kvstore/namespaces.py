@@ -13,8 +13,9 @@ Objects are counted once however many tiers hold copies.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 
 def namespace_of(name: str) -> str:
@@ -45,7 +46,7 @@ class NamespaceBook:
     def __init__(
         self, rules: dict[str, NamespaceRule] | None = None, default: NamespaceRule = NO_RULE
     ) -> None:
-        self.rules = dict(rules or {})
+        self.rules: Mapping[str, NamespaceRule] = MappingProxyType(dict(rules or {}))  # fixed: see `expires`
         self.default = default
         # no namespace has a TTL: nothing expires, and a lookup need not ask per name
         self.expires = default.ttl is not None or any(r.ttl is not None for r in self.rules.values())

@@ -64,15 +64,18 @@ class InProcessBridge:
         names = self.names(keys[:1])
         if not names:
             return names, 0, 0
-        first = None if self._inflight_prefix(names) else self._known_prefix(names)
+        if self._inflight_prefix(names):  # being written here: count those, then ask
+            names += self.names(keys[1:])
+            n = self._inflight_prefix(names)
+            return names, n, (self._known_prefix(names[n:]) if n < len(names) else 0)
+        first = self._known_prefix(names)
         if first == 0:
             return names, 0, 0
         names += self.names(keys[1:])
-        if first == 1:  # held, not being written here: on with the rest
-            rest = self._known_prefix(names[1:]) if len(names) > 1 else 0
-            return names, 0, None if rest is None else 1 + rest
-        n = self._inflight_prefix(names)
-        return names, n, (self._known_prefix(names[n:]) if n < len(names) else 0)
+        if first is None:  # the books cannot tell (a tier has it unknown to them): the loop asks
+            return names, 0, None
+        rest = self._known_prefix(names[1:]) if len(names) > 1 else 0  # the first is held
+        return names, 0, None if rest is None else 1 + rest
 
     def lookup(self, keys: Sequence[CacheEngineKey]) -> int:
         """How many leading chunks are held (blocking, within the deadline)."""

@@ -57,14 +57,18 @@ def object_name(key: CacheEngineKey, namespace: str) -> str:
 
 def object_names(keys: Sequence[CacheEngineKey], namespace: str) -> list[str]:
     """`object_name` of each key.  A lookup names every chunk of a prompt, and they all
-    share model, rank, dtype, layer and tags: each run of keys that shares them is named
-    by one `chunk_object_names` call, which spells that part once."""
+    share model, rank, dtype, layer and tags: each run of keys that shares them (as
+    spelled in the name) is named by one `chunk_object_names` call, which spells that
+    part once."""
     out: list[str] = []
     hashes: list[Any] = []
     group: tuple[Any, ...] | None = None
     first: Any = None
     for key in keys:
-        g = (key.model_name, key.world_size, key.worker_id, key.dtype, getattr(key, "layer_id", None), key.tags)
+        # equal is not enough: the name spells them (2 and 2.0, 1 and True differ there)
+        layer = getattr(key, "layer_id", None)
+        ws, rank, model = key.world_size, key.worker_id, key.model_name
+        g = (model, type(model), ws, type(ws), rank, type(rank), key.dtype, layer, type(layer), key.tags and _fmt_of(key))
         if g != group:
             if hashes:
                 out += _named_run(first, hashes, namespace)

@@ -31,7 +31,7 @@ Layout::
   one index transaction; one hop per read when this process knows the object's size
   (allocate, then open + ``preadv`` + close), else two.  The exception is a `stat` of a
   few names for a lookup (`contains_now` on the caller's thread, `contains_many` on
-  the loop): only on a local file system, and not within a minute of one that took
+  the loop): only on a local file system, and not for a while after stats keep taking
   over a millisecond (`_sizes_now`); elsewhere they take a worker thread too.
 * ``read_streamed`` (see `kvstore.backends.stream`) reads an object's head, lets the
   reader pick where the rest lands, and copies the payload there through a read-only
@@ -907,29 +907,36 @@ class DiskBackend(Backend):
 
     def _sizes_now(self, names: list[str]) -> list[int | None] | None:
         """`_file_size` of each name on this thread, or None (ask a worker thread) for a
-        batch over `INLINE_STATS`, a file system that is not local, or within
-        `SLOW_STAT_BACKOFF_S` of a stat that took over `SLOW_STAT_S`: a stat that waits on
-        a server or a cold disk must not hold the event loop or LMCache's thread.
+        batch over `INLINE_STATS`, a file system that is not local, or while backing off
+        from slow stats (over `SLOW_STAT_S` a name): a stat that waits on a server or a
+        cold disk must not hold the event loop or LMCache's thread.
 
         A stat's time here includes waiting for the GIL and for a core, so one slow batch
         is as likely a busy process as a slow disk: the second slow batch in a row backs
-        off for a second, each further one (the first after the last back-off) doubles it."""
+        off for `SLOW_STAT_BACKOFF_S` [0] (a second), each further one (the first after
+        the last back-off) for twice the last, at most `SLOW_STAT_BACKOFF_S` [1]."""
+        if not names:
+            return []
         t0 = self._clock()
         if len(names) > INLINE_STATS or t0 < self._stat_inline_after:
             return None
         sizes = [self._file_size(n) for n in names]
         t1 = self._clock()
-        if t1 - t0 < SLOW_STAT_S * max(1, len(names)):
+        if t1 - t0 < SLOW_STAT_S * len(names):
             self._slow_stats = 0
             return sizes
         self._slow_stats += 1
         if self._slow_stats < 2:
             return sizes
         first, most = SLOW_STAT_BACKOFF_S
-        self._stat_backoff = min(most, first * 2 ** (self._slow_stats - 2))
+        last = 0.0 if self._slow_stats == 2 else self._stat_backoff
+        self._stat_backoff = min(most, 2 * last) if last else first
         self._stat_inline_after = t1 + self._stat_backoff
-        if self._stat_backoff >= most:
-            log.info("kvstore disk: stats under %s stay slow; they go to worker threads for %.0fs", self.root, most)
+        if not last or (self._stat_backoff >= most > last):  # the first back-off, and the longest
+            log.info(
+                "kvstore disk: stats under %s are slow (%.1f ms for %d); lookups stat on worker threads for %.0f s",
+                self.root, (t1 - t0) * 1e3, len(names), self._stat_backoff,
+            )
         return sizes
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:

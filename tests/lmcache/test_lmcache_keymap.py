@@ -61,4 +61,15 @@ def test_a_batch_of_keys_is_named_as_each_key_alone():
     names = object_names(keys, "ns")
     assert names == [object_name(k, "ns") for k in keys]
     assert len(set(names)) == len(keys)
+    # equal values spelled apart in a name stay apart (2 / 2.0, 0 / False, 1 / True, 0.0 / -0.0)
+    odd = [
+        _key(1),
+        CacheEngineKey(model_name="org/Model-7B", world_size=2.0, worker_id=1, chunk_hash=2, dtype=torch.bfloat16),  # type: ignore[arg-type]
+        CacheEngineKey(model_name="org/Model-7B", world_size=2, worker_id=True, chunk_hash=3, dtype=torch.bfloat16),
+        _key(4, request_configs={"lmcache.tag.p": 1}),
+        _key(5, request_configs={"lmcache.tag.p": True}),
+        _key(6, request_configs={"lmcache.tag.p": 0.0}),
+        _key(7, request_configs={"lmcache.tag.p": -0.0}),
+    ]
+    assert object_names(odd, "ns") == [object_name(k, "ns") for k in odd]
     assert object_names([], "ns") == []
