@@ -12,6 +12,11 @@ Configurations:
 * ``lmcache-disk``   LMCache's LocalDiskBackend (``LMCACHE_LOCAL_DISK``) — the baseline;
 * ``kvstore-disk``   kvstore storage plugin, one ``file://`` tier;
 * ``kvstore-disk-remote``  the same tier through the remote-connector path;
+* ``lmcache-fs``     LMCache's ``fs://`` remote connector (a file per chunk, naive serde);
+* ``lmcache-rawblock`` / ``lmcache-rawblock-uring``  LMCache's rust raw-block storage
+  plugin (``posix`` / ``io_uring`` engine) on an 8 GiB sparse file standing in for a block
+  device, page cache on (its default), when the ``lmcache_rust_raw_block_io`` wheel is
+  installed;
 * ``lmcache-redis``  LMCache's Redis connector on a local ``redis-server`` (if installed);
 * ``kvstore-redis``  kvstore storage plugin, one ``redis://`` tier on the same server (db 1);
 * ``lmcache-cpu+disk``  LMCache's CPU pool (``LMCACHE_LOCAL_CPU=True``, 4 GB) in front of
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -157,6 +163,17 @@ def s3_configs(base: dict[str, str], s3, options: str = "") -> dict[str, dict[st
     return out
 
 
+RAW_BLOCK_BYTES = 8 << 30  # the raw-block file: a sparse file of this size
+
+
+def raw_block_file(path: Path, size: int) -> Path:
+    """A sparse file for LMCache's raw-block backend to use as its device."""
+    if not path.exists():
+        with open(path, "wb") as f:
+            f.truncate(size)
+    return path
+
+
 def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> dict[str, dict[str, str]]:
     base = {
         "LMCACHE_CHUNK_SIZE": "256",
@@ -195,6 +212,30 @@ def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> 
             ),
         },
     }
+    # LMCache's other file backends: its `fs` remote connector, and (when the
+    # `lmcache_rust_raw_block_io` wheel is installed) its rust raw-block storage plugin
+    # on a preallocated file standing in for a block device; page cache, as the others
+    out["lmcache-fs"] = {
+        **base,
+        "LMCACHE_REMOTE_URL": f"fs://localhost:0{tmp / 'lmcache-fs'}",
+        "LMCACHE_REMOTE_SERDE": "naive",
+    }
+    if importlib.util.find_spec("lmcache_rust_raw_block_io") is not None:
+        for name, engine in (("lmcache-rawblock", "posix"), ("lmcache-rawblock-uring", "io_uring")):
+            out[name] = {
+                **base,
+                "LMCACHE_STORAGE_PLUGINS": "rust_raw_block",
+                "LMCACHE_EXTRA_CONFIG": json.dumps(
+                    {
+                        "storage_plugin.rust_raw_block.module_path": "lmcache.v1.storage_backend.plugins.rust_raw_block_backend",
+                        "storage_plugin.rust_raw_block.class_name": "RustRawBlockBackend",
+                        "rust_raw_block.device_path": str(raw_block_file(tmp / f"{name}.img", RAW_BLOCK_BYTES)),
+                        "rust_raw_block.capacity_bytes": RAW_BLOCK_BYTES,
+                        "rust_raw_block.io_engine": engine,
+                        "rust_raw_block.meta_enable_periodic": False,
+                    }
+                ),
+            }
     if redis_url:
         out["lmcache-redis"] = {**base, "LMCACHE_REMOTE_URL": redis_url, "LMCACHE_REMOTE_SERDE": "naive"}
         out["kvstore-redis"] = {
@@ -406,6 +447,9 @@ def main() -> None:
             for name, env in configs(Path(d), redis_url, s3, args.s3_options).items()
             if not args.only or name in args.only
         }
+        for name in sorted(set(args.only or ()) - set(envs)):
+            why = "pip install lmcache_rust_raw_block_io" if name.startswith("lmcache-rawblock") else "see --help"
+            print(f"({name}: not available here: {why})", flush=True)
         if args.interleave:
             need, have = memory_needed(envs), available_memory()
             if have is not None and need + (2 << 30) > have:
@@ -442,6 +486,9 @@ def main() -> None:
         ("kvstore-redis", "lmcache-redis"),
         ("kvstore-s3", "lmcache-s3"),
         ("kvstore-mem+disk", "lmcache-cpu+disk"),
+        ("kvstore-disk", "lmcache-fs"),
+        ("kvstore-disk", "lmcache-rawblock"),
+        ("kvstore-disk", "lmcache-rawblock-uring"),
     ]
     peers = [(k, lm) for k, lm in peers if k in by_name and lm in by_name]
     if peers:
