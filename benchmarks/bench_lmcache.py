@@ -18,6 +18,8 @@ Configurations:
   device, page cache on (its default), when the ``lmcache_rust_raw_block_io`` wheel is
   installed;
 * ``lmcache-redis``  LMCache's Redis connector on a local ``redis-server`` (if installed);
+* ``lmcache-resp``   LMCache's ``resp://`` connector (its C++ RESP client, 8 threads) on the
+  same server, where this LMCache build has it;
 * ``kvstore-redis``  kvstore storage plugin, one ``redis://`` tier on the same server (db 1);
 * ``lmcache-cpu+disk``  LMCache's CPU pool (``LMCACHE_LOCAL_CPU=True``, 4 GB) in front of
   LocalDisk: the peer of
@@ -163,6 +165,15 @@ def s3_configs(base: dict[str, str], s3, options: str = "") -> dict[str, dict[st
     return out
 
 
+def resp_client_available() -> bool:
+    """Whether this LMCache build has its native RESP client (``resp://`` URLs)."""
+    try:
+        from lmcache.v1.storage_backend.native_clients.resp_client import REDIS_AVAILABLE
+    except ImportError:
+        return False
+    return bool(REDIS_AVAILABLE)
+
+
 RAW_BLOCK_BYTES = 8 << 30  # the raw-block file: a sparse file of this size
 
 
@@ -238,6 +249,12 @@ def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> 
             }
     if redis_url:
         out["lmcache-redis"] = {**base, "LMCACHE_REMOTE_URL": redis_url, "LMCACHE_REMOTE_SERDE": "naive"}
+        if resp_client_available():  # LMCache's C++ RESP client (8 threads): its fastest Redis path
+            out["lmcache-resp"] = {
+                **base,
+                "LMCACHE_REMOTE_URL": "resp://" + redis_url.removeprefix("redis://"),
+                "LMCACHE_REMOTE_SERDE": "naive",
+            }
         out["kvstore-redis"] = {
             **base,
             "LMCACHE_STORAGE_PLUGINS": "kvstore",
@@ -484,6 +501,7 @@ def main() -> None:
             )
     peers = [
         ("kvstore-redis", "lmcache-redis"),
+        ("kvstore-redis", "lmcache-resp"),
         ("kvstore-s3", "lmcache-s3"),
         ("kvstore-mem+disk", "lmcache-cpu+disk"),
         ("kvstore-disk", "lmcache-fs"),
