@@ -4,7 +4,10 @@ Every adapter is driven the way LMCache's MP server drives it (`kvstore_lmcache.
 submit a store / lookup / load task, wait on its event fd), in one process, on the same
 chunks, in interleaved rounds (the order rotates each round):
 
-* disk:  kvstore ``file://`` (frames, CRC32C checked on load)  vs LMCache ``fs``
+* disk:  kvstore ``file://`` (frames, CRC32C checked on load)  vs LMCache ``fs``; add
+  ``fs_native`` to ``--kinds`` (``disk,fs_native``) for LMCache's C++ fs connector, and
+  ``raw_block`` for its raw-block adapter on a sparse file standing in for a device,
+  through the page cache and with O_DIRECT (its default)
 * redis: kvstore ``redis://``                                   vs LMCache ``resp``
 * s3:    kvstore ``s3://``                                      vs LMCache ``s3`` (awscrt)
 
@@ -201,6 +204,32 @@ def main() -> None:
             Config("kvstore-file", "disk", lambda: build_adapter(kvstore_spec([f"file://{kd}?fsync=false"])), fresh(kd))
         )
         configs.append(Config("lmcache-fs", "disk", lambda: build_adapter({"type": "fs", "base_path": str(ld)}), fresh(ld)))
+        if "fs_native" in kinds:  # LMCache's C++ fs connector
+            nd = root / "lmcache-fs-native"
+            configs.append(
+                Config(
+                    "lmcache-fs-native",
+                    "disk",
+                    lambda: build_adapter({"type": "fs_native", "base_path": str(nd)}),
+                    fresh(nd),
+                )
+            )
+        if "raw_block" in kinds:  # LMCache's raw-block adapter
+            slot = -(-(data[0].nbytes + 4096) // 4096) * 4096  # a chunk and its header, block-aligned
+            capacity = max(8 << 30, 2 * slot * args.chunks * (args.rounds + 1) + (256 << 20))
+            for name, direct in (("lmcache-rawblock", False), ("lmcache-rawblock-direct", True)):
+                img = root / f"{name}.img"
+                with open(img, "wb") as f:  # sparse: a stand-in for a block device
+                    f.truncate(capacity)
+                spec = {
+                    "type": "raw_block",
+                    "device_path": str(img),
+                    "capacity_bytes": capacity,
+                    "slot_bytes": slot,
+                    "use_odirect": direct,
+                    "meta_enable_periodic": False,
+                }
+                configs.append(Config(name, "disk", lambda spec=spec: build_adapter(spec), lambda: None))
     if "redis" in kinds:
         from kvstore.testing.redis_server import RedisServer
 
@@ -259,7 +288,7 @@ def main() -> None:
     for cfg in configs:
         print(f"| {cfg.name} | {spread(cfg.store_gbs)} | {spread(cfg.load_gbs)} |")
     groups = [list(g) for _kind, g in itertools.groupby(configs, key=lambda c: c.kind)]
-    pairs = [g for g in groups if len(g) == 2]
+    pairs = [(g[0], other) for g in groups for other in g[1:]]  # kvstore's first in each kind
     if not pairs:  # LMCache's side skipped (s3 without kvbench.localhost)
         return
     print("\n| kvstore / LMCache (per round) | store | load |")
