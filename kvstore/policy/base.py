@@ -76,10 +76,6 @@ class Policy(abc.ABC):
     name: ClassVar[str] = ""
     #: True for offline policies that need the future (`belady`); never a default.
     offline: ClassVar[bool] = False
-    #: True where choosing a chunk just inserted as the victim is how the policy declines
-    #: it (W-TinyLFU's window against its main cache); else a store batch's own chunks
-    #: make room for its later ones only when nothing else can (`Placement.store`).
-    admits_by_eviction: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -134,18 +134,6 @@ class TierState:
         return size
 
 
-class _AnyOf(Container[str]):
-    """Membership in either of two containers (without building their union)."""
-
-    __slots__ = ("a", "b")
-
-    def __init__(self, a: Container[str], b: Container[str]) -> None:
-        self.a, self.b = a, b
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.a or key in self.b
-
-
 class Placement:
     """The placement engine over tiers ordered hot → cold."""
 
@@ -201,21 +189,11 @@ class Placement:
         return moves
 
     def store(
-        self,
-        key: str,
-        size: int,
-        meta: ChunkMeta = NO_META,
-        protected: Container[str] = NOTHING,
-        batch: Container[str] = NOTHING,
+        self, key: str, size: int, meta: ChunkMeta = NO_META, protected: Container[str] = NOTHING
     ) -> list[Move]:
         """A write of `key`: land it in the top tier and every write-through tier.
 
-        A key already held somewhere is a touch there (no rewrite).  `batch`: the keys
-        the same write placed before this one; they make room for it only when nothing
-        else can (a policy may rank a new chunk below old ones, as `chain` does while its
-        estimate for never-reused chunks falls, but pushing out a chunk whose bytes have
-        not even landed, for its neighbour, only fails that write), except in a tier whose
-        policy declines chunks that way (`Policy.admits_by_eviction`).
+        A key already held somewhere is a touch there (no rewrite).
         """
         i = self.where(key)
         if i is not None:
@@ -230,28 +208,15 @@ class Placement:
                 tier.counters.rejected += 1
                 continue
             at = len(moves)
-            if self._place(j, key, size, meta, protected, moves, batch):
+            if self._place(j, key, size, meta, protected, moves):
                 moves.insert(at, Write(key, size, j))
         return moves
 
     def _place(
-        self,
-        j: int,
-        key: str,
-        size: int,
-        meta: ChunkMeta,
-        protected: Container[str],
-        moves: list[Move],
-        batch: Container[str] = NOTHING,
+        self, j: int, key: str, size: int, meta: ChunkMeta, protected: Container[str], moves: list[Move]
     ) -> bool:
         tier = self.tiers[j]
-        if batch is NOTHING or tier.policy.admits_by_eviction:
-            victims, ok = tier.make_room(size, protected)
-        else:
-            victims, ok = tier.make_room(size, _AnyOf(protected, batch))
-            if not ok:  # the batch is larger than what else there is: its own chunks go too
-                more, ok = tier.make_room(size, protected)
-                victims += more
+        victims, ok = tier.make_room(size, protected)
         for vkey, vsize in victims:
             self._demote(j, vkey, vsize, protected, moves)
         if not ok:

@@ -127,10 +127,8 @@ def replay(placement: Placement, requests: list[Request], block_bytes: int = 1, 
         hits += n
         for i in range(n):
             hit(keys[i])  # as a live read: the policy knows the chunk from when it was stored
-        batch: set[str] = set()  # as a live store's write: a request's blocks stored together
         for i in range(n, len(keys)):
-            store(keys[i], block_bytes, chain_meta(keys, i) if parents else NO_META, batch=batch)
-            batch.add(keys[i])
+            store(keys[i], block_bytes, chain_meta(keys, i) if parents else NO_META)
     return hits
 
 

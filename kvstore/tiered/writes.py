@@ -89,7 +89,6 @@ class Writer:
         prev_meta = p.placement.meta.get(parent, NO_META) if parent is not None else NO_META
         prev = parent
         ticket = p.inflight.prepare_write()
-        placed: set[str] = set()  # this batch's names planned so far (`Placement.store`'s batch)
         for i, (name, _) in enumerate(items):
             parts = frames[i]
             if parts is None:
@@ -112,14 +111,13 @@ class Writer:
                     p.book.discard(old)
             else:
                 results[i] = True  # already held: the store call is a touch
-            for m in p.placement.store(name, size, meta, protected, placed):
+            for m in p.placement.store(name, size, meta, protected):
                 if name not in p.book:
                     p.book.add(name, size, now)  # reserved now: later items see the quota
                 if isinstance(m, Write):
                     writes.append((i, m))
                 else:
                     moves.append(m)
-            placed.add(name)
         writes, moves = self._shortest_way(writes, moves)
         for _, w in writes:
             p.inflight.add_write(ticket, w.key)

@@ -25,7 +25,7 @@ def payload(block: int) -> torch.Tensor:
     return torch.full((16,), float(block), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("policy", ["chain", "reuse", "lru", "wtinylfu"])
+@pytest.mark.parametrize("policy", ["chain", "reuse", "lru"])
 async def test_memory_to_disk_replay_matches_the_simulator(policy: str, tmp_path: Path) -> None:
     requests = read_trace(SLICE)
     probe = TieredStore.from_urls(["mem://"])

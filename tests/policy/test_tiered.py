@@ -206,35 +206,6 @@ async def test_known_prefix_promises_nothing_held_only_by_a_tier_that_is_failing
     await store.close()
 
 
-@pytest.mark.parametrize("policy", ["chain", "lru"])
-async def test_a_write_into_a_full_tier_keeps_its_own_chunks_while_older_ones_can_go(policy: str) -> None:
-    """A store batch landing in a full tier is stored whole: the policy may rank new
-    chunks below old ones (`chain` does while its estimate for never-reused chunks falls),
-    but a batch never pushes out its own earlier chunks for its later ones while older
-    chunks could make room.  (Before, a full `chain` tier failed two of four writes and
-    the MP adapter reported the store task failed.)"""
-    def big(i: int) -> torch.Tensor:
-        return torch.full((1024,), float(i))
-
-    store = TieredStore.from_urls([f"mem://?capacity={10 * (4096 + 200)}&policy={policy}"])
-    for r in range(12):
-        batch = [name(r * 4 + i) for i in range(4)]
-        assert await store.put_many([(n, big(r * 4 + i)) for i, n in enumerate(batch)]) == [True] * 4, f"batch {r}"
-        assert all(n in store.placement.tiers[0].resident for n in batch)
-    got = await store.get_many(batch)  # (no reads before: a read would lift the policy's estimate)
-    assert all(g is not None and torch.equal(g, big(44 + i)) for i, g in enumerate(got))
-    st = store.stats().tiers[0]
-    assert st.objects == 10 and st.writes == 48 and st.evictions == 38
-    await store.close()
-    size = await frame_size()
-
-    # a batch larger than the tier: it still evicts its own (nothing else is left)
-    small = TieredStore([TierSpec(Tier(MemoryBackend()), capacity=3 * size, policy=policy)])
-    res = await small.put_many([(name(100 + i), chunk(i)) for i in range(5)])
-    assert sum(res) == 3  # which three is the policy's choice
-    await small.close()
-
-
 async def test_namespace_quota_drops_the_tenants_oldest_and_ttl_expires() -> None:
     size = await frame_size()
     clock = FakeClock()
