@@ -84,8 +84,7 @@ class Writer:
         writes marked in flight (a name already held is a touch: `results` True)."""
         p = self.p
         protected = p.inflight
-        moves: list[Move] = []
-        writes: list[tuple[int, Write]] = []
+        steps: list[tuple[int, Write] | Move] = []  # writes (item, Write) and moves, in plan order
         prev_meta = p.placement.meta.get(parent, NO_META) if parent is not None else NO_META
         prev = parent
         ticket = p.inflight.prepare_write()
@@ -106,7 +105,7 @@ class Writer:
                     p.metrics.errors.labels("quota", "-").inc()
                     continue
                 for old in room:
-                    moves.extend(p.placement.delete(old))
+                    steps.extend(p.placement.delete(old))
                     p.metrics.quota_evictions.labels(namespace_of(old)).inc()
                     p.book.discard(old)
             else:
@@ -114,11 +113,8 @@ class Writer:
             for m in p.placement.store(name, size, meta, protected):
                 if name not in p.book:
                     p.book.add(name, size, now)  # reserved now: later items see the quota
-                if isinstance(m, Write):
-                    writes.append((i, m))
-                else:
-                    moves.append(m)
-        writes, moves = self._shortest_way(writes, moves)
+                steps.append((i, m) if isinstance(m, Write) else m)
+        writes, moves = self._shortest_way(steps)
         for _, w in writes:
             p.inflight.add_write(ticket, w.key)
         return ticket, writes, moves
@@ -143,21 +139,26 @@ class Writer:
         return list(await asyncio.gather(*(frame(name, tensor) for name, tensor in items)))
 
     def _shortest_way(
-        self, writes: list[tuple[int, Write]], moves: list[Move]
+        self, steps: list[tuple[int, Write] | Move]
     ) -> tuple[list[tuple[int, Write]], list[Move]]:
-        """A name this plan writes into tier j and then evicts from j again (a batch larger
-        than the tier) goes straight where the plan leaves it: the demotion j → k becomes
-        the write into k, and a drop from j means no write at all.  The engine's decisions
-        stand; only the bytes take the short way (never through a full tier's medium)."""
+        """The plan's writes and moves.  A name this plan writes into tier j and *then*
+        evicts from j again (a batch larger than the tier) goes straight where the plan
+        leaves it: the demotion j → k becomes the write into k, and a drop from j means
+        no write at all.  Only a move after the write is folded into it: a copy of the
+        name evicted before the plan writes the name again is moved (or dropped) as
+        planned, and the write that follows lands.  The engine's decisions stand; only
+        the bytes take the short way (never through a full tier's medium)."""
         p = self.p
-        pending = {(w.key, w.dst): n for n, (_, w) in enumerate(writes)}
-        if len(pending) == len(writes) and not any(
-            (m.key, m.src) in pending for m in moves if isinstance(m, (Copy, Drop))
-        ):
-            return writes, moves
-        dead: set[int] = set()
+        writes: list[tuple[int, Write]] = []
         kept: list[Move] = []
-        for m in moves:
+        pending: dict[tuple[str, int], int] = {}  # (name, tier) -> index in `writes`
+        dead: set[int] = set()
+        for step in steps:
+            if isinstance(step, tuple):
+                pending[(step[1].key, step[1].dst)] = len(writes)
+                writes.append(step)
+                continue
+            m = step
             if isinstance(m, (Copy, Drop)) and (m.key, m.src) in pending and not (
                 isinstance(m, Copy) and m.kind == "promote"
             ):
