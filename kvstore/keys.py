@@ -121,6 +121,15 @@ def check_object_name(name: str) -> str:
     return name
 
 
+def is_object_name(name: str) -> bool:
+    """`check_object_name` as a yes or no."""
+    try:
+        check_object_name(name)
+    except InvalidKeyError:
+        return False
+    return True
+
+
 def _hash_text(chunk_hash: int | str | bytes) -> str:
     if isinstance(chunk_hash, bool):
         raise InvalidKeyError("chunk hash must be int, str or bytes, not bool")
@@ -155,20 +164,17 @@ def _group_prefix(namespace: str, model: str, fmt: str, world_size: int, worker_
 def chunk_object_name(
     namespace: str, model: str, fmt: str, world_size: int, worker_id: int, chunk_hash: int | str | bytes
 ) -> str:
-    """`ChunkKey.object_name` without building the key (the lookup path names every chunk
-    of a prompt on each call).  The prefix is ASCII and checked (`_group_prefix`); the hash
-    segment is ASCII, non-empty and never ``.`` or ``..``, so only the length is left."""
-    name = _group_prefix(namespace, model, fmt, world_size, worker_id) + _hash_text(chunk_hash)
-    if len(name) > MAX_NAME_LEN:
-        raise InvalidKeyError(f"object name longer than {MAX_NAME_LEN} bytes")
-    return name
+    """`ChunkKey.object_name` without building the key (see `chunk_object_names`)."""
+    return chunk_object_names(namespace, model, fmt, world_size, worker_id, (chunk_hash,))[0]
 
 
 def chunk_object_names(
     namespace: str, model: str, fmt: str, world_size: int, worker_id: int, chunk_hashes: Iterable[int | str | bytes]
 ) -> list[str]:
-    """`chunk_object_name` of each hash in one group (a prompt's chunks): the group's
-    part of the name is looked up once, an int hash is formatted in place."""
+    """`ChunkKey.object_name` of each hash in one group (a prompt's chunks) without
+    building the keys: the group's part of the name is escaped and checked once
+    (`_group_prefix`); the hash segment is ASCII, non-empty and never ``.`` or ``..``,
+    so only the length is left to check."""
     prefix = _group_prefix(namespace, model, fmt, world_size, worker_id)
     names = [prefix + (format(h, "x") if type(h) is int else _hash_text(h)) for h in chunk_hashes]
     for name in names:

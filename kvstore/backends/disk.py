@@ -92,7 +92,7 @@ from kvstore.backends.base import (
 )
 from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
 from kvstore.backends.stream import StreamSink, wait_out
-from kvstore.keys import InvalidKeyError, check_object_name, printable_name
+from kvstore.keys import InvalidKeyError, check_object_name, is_object_name, printable_name
 from kvstore.options import option_bool, option_int, option_size, url_options
 from kvstore.shared_jobs import run_shared
 
@@ -201,14 +201,6 @@ def local_file_system(path: Path) -> bool:
     except OSError:
         return False
     return fstype in LOCAL_FILE_SYSTEMS
-
-
-def _is_object_name(name: str) -> bool:
-    try:
-        check_object_name(name)
-    except InvalidKeyError:
-        return False
-    return True
 
 
 def _check_stat(st: os.stat_result, max_size: int) -> None:
@@ -869,7 +861,7 @@ class DiskBackend(Backend):
         the next batch.  A few names are looked up on the loop itself (a `stat` of a local
         file is a few microseconds, a hop to a worker thread and back ~0.1 ms on a 2-core
         machine, and a lookup that misses asks about one name), a larger batch in one hop."""
-        valid = [n for n in names if _is_object_name(n)]
+        valid = [n for n in names if is_object_name(n)]
         await self._open()
         found = self._sizes_now(valid)
         if found is None:
@@ -896,7 +888,7 @@ class DiskBackend(Backend):
             if not self._opened.done():  # a concurrent future: its lock is not free
                 return None
             self._ready_now = True
-        valid = [n for n in names if _is_object_name(n)]
+        valid = [n for n in names if is_object_name(n)]
         sizes = self._sizes_now(valid)
         if sizes is None:
             return None

@@ -46,20 +46,14 @@ class Lookup:
         tests, no iteration), so another thread may ask; whether the loop changed them
         meanwhile is for the caller to tell (`known_prefix`)."""
         p = self.p
-        if p.book.expires:
-            n = 0
-            for name in names:
-                if not self.servable(name, now):
-                    break
-                n += 1
-            return n
-        # `servable` unrolled for the common store without TTLs (a lookup asks about
-        # every chunk of a prompt, per request): the same tests, as membership tests
-        writing = p.inflight.writing_now
+        # `servable` unrolled (a lookup asks about every chunk of a prompt, per request):
+        # the same tests, as membership tests, a TTL asked about only where one is set
+        writing, book = p.inflight.writing_now, p.book
+        expires = book.expires
         tiers = [(t.resident, p.guard.refusing(j)) for j, t in enumerate(p.placement.tiers)]
         n = 0
         for name in names:
-            if name in writing:
+            if name in writing or (expires and book.is_expired(name, now)):
                 break
             for resident, refusing in tiers:
                 if name in resident:  # `where`: the highest tier holding it
