@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.policy.base import NO_META, ChunkMeta, Policy
+from kvstore.policy.base import NO_META, AnyOf, ChunkMeta, Policy
 from kvstore.policy.belady import BeladyPolicy
 from kvstore.policy.chain import ChainPolicy
 from kvstore.policy.classic import ARCPolicy, LFUPolicy, LRUPolicy, WTinyLFUPolicy
@@ -52,6 +52,7 @@ __all__ = [
     "NO_META",
     "ONLINE_POLICIES",
     "POLICIES",
+    "AnyOf",
     "ChunkMeta",
     "Copy",
     "Drop",

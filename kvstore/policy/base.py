@@ -12,8 +12,11 @@ Call protocol (one tier; `kvstore.policy.engine` drives it):
 * when over budget it asks ``victim(protected)`` and then ``remove(key, evicted=True)``;
   ``remove(key)`` without `evicted` is a delete (no ghost entry, no learning).
 
-`victim` must never return a key in `protected` (pinned, being read, or part of the
-request being stored); it returns None when every resident key is protected.
+`victim` must never return a key in `protected` (pinned, being read, or stored earlier
+in the same write batch); it returns None when every resident key is protected.
+Chain-aware policies return only leaves (chunks with no resident child), so for them
+None also means every leaf is protected: evicting a protected chunk's ancestor would
+strand it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,19 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 NOTHING: frozenset[str] = frozenset()
+
+
+class AnyOf(Container[str]):
+    """Membership in either of two containers, without building their union (the live
+    in-flight registry and a write batch's names, as one `protected`)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
 
 
 def lazy_heap_top(
@@ -76,6 +92,10 @@ class Policy(abc.ABC):
     name: ClassVar[str] = ""
     #: True for offline policies that need the future (`belady`); never a default.
     offline: ClassVar[bool] = False
+    #: True where choosing a chunk just inserted as the victim is how the policy declines
+    #: it (W-TinyLFU's window against its main cache): a write batch's own chunks are
+    #: then not protected from its later ones (`Placement.store`).
+    admits_by_eviction: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

@@ -65,11 +65,12 @@ _REUSED = float(1 << 40)  # lifts reused chunks above any recency stamp
 
 
 class _Entry:
-    __slots__ = ("cls", "cost", "dbucket", "hits", "kids", "parent", "prio", "size", "tail")
+    __slots__ = ("cls", "cost", "dbucket", "hits", "kids", "parent", "prio", "size", "tail", "up")
 
-    def __init__(self, size: int, parent: str | None, meta: ChunkMeta, experts: int) -> None:
+    def __init__(self, size: int, parent: str | None, up: _Entry | None, meta: ChunkMeta, experts: int) -> None:
         self.size = max(size, 1)
         self.parent = parent
+        self.up = up  # the parent's entry when this one entered: a parent deleted and stored again is a new entry
         self.kids = 0
         self.hits = 0
         self.tail = meta.tail
@@ -157,7 +158,7 @@ class ChainPolicy(Policy):
             parent = None
         else:
             pe.kids += 1
-        e = self._e[key] = _Entry(size, parent, meta, len(self._L))
+        e = self._e[key] = _Entry(size, parent, pe, meta, len(self._L))
         if self._returning is not None and self._returning[0] == key:
             # a ghost come back: it keeps its history, plus this reference
             e.hits = self._returning[1]
@@ -209,12 +210,11 @@ class ChainPolicy(Policy):
             limit = self.GHOSTS * max(len(self._e), 1)
             while len(ghosts) > limit:
                 ghosts.popitem(last=False)
-        if e.parent is not None:
-            pe = self._e.get(e.parent)
-            if pe is not None:
-                pe.kids -= 1
-                if pe.kids == 0:
-                    self._push(e.parent, pe)
+        pe = e.up
+        if pe is not None and e.parent is not None and self._e.get(e.parent) is pe:
+            pe.kids -= 1
+            if pe.kids == 0:
+                self._push(e.parent, pe)
 
     def _best_leaf(self, k: int, protected: Container) -> str | None:
         heap = self._heaps[k]
@@ -231,12 +231,10 @@ class ChainPolicy(Policy):
         return found
 
     def victim(self, protected: Container = NOTHING) -> str | None:
-        found = self._best_leaf(self.expert, protected)
-        if found is None:  # every leaf protected: any unprotected resident
-            for key in self._e:
-                if key not in protected:
-                    return key
-        return found
+        """The best unprotected leaf; None when every leaf is protected (a chunk with a
+        resident child is never the victim: evicting it would strand the chain below it,
+        e.g. a store batch hanging off a head stored by an earlier request)."""
+        return self._best_leaf(self.expert, protected)
 
     def _compact(self, k: int) -> None:
         heap = [(e.prio[k], i, key) for i, (key, e) in enumerate(self._e.items()) if not e.kids]

@@ -198,6 +198,7 @@ class WTinyLFUPolicy(Policy):
     """
 
     name = "wtinylfu"
+    admits_by_eviction = True  # a window victim that loses to the main cache's is declined
     WINDOW = 0.01
     PROTECTED = 0.8
 

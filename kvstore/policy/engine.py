@@ -20,7 +20,7 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Union
 
-from kvstore.policy.base import NO_META, NOTHING, ChunkMeta, Policy
+from kvstore.policy.base import NO_META, NOTHING, AnyOf, ChunkMeta, Policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,11 +189,23 @@ class Placement:
         return moves
 
     def store(
-        self, key: str, size: int, meta: ChunkMeta = NO_META, protected: Container[str] = NOTHING
+        self,
+        key: str,
+        size: int,
+        meta: ChunkMeta = NO_META,
+        protected: Container[str] = NOTHING,
+        batch: Container[str] = NOTHING,
     ) -> list[Move]:
         """A write of `key`: land it in the top tier and every write-through tier.
 
-        A key already held somewhere is a touch there (no rewrite).
+        A key already held somewhere is a touch there (no rewrite).  `batch`: the keys the
+        same write stored before this one.  They are the last to make room for it in any
+        tier, and in the bottom tier, where a victim is gone for good, they never do: a
+        later chunk of a prompt is of no use without the earlier ones, so there the write
+        is refused and the batch keeps its prefix.  (A policy may rank new chunks below
+        old ones, as `chain` does while its estimate for never-reused chunks falls at a
+        cold start.)  A tier whose policy declines chunks by evicting them
+        (`Policy.admits_by_eviction`) is left to do so.
         """
         i = self.where(key)
         if i is not None:
@@ -208,17 +220,30 @@ class Placement:
                 tier.counters.rejected += 1
                 continue
             at = len(moves)
-            if self._place(j, key, size, meta, protected, moves):
+            if self._place(j, key, size, meta, protected, moves, batch):
                 moves.insert(at, Write(key, size, j))
         return moves
 
     def _place(
-        self, j: int, key: str, size: int, meta: ChunkMeta, protected: Container[str], moves: list[Move]
+        self,
+        j: int,
+        key: str,
+        size: int,
+        meta: ChunkMeta,
+        protected: Container[str],
+        moves: list[Move],
+        batch: Container[str] = NOTHING,
     ) -> bool:
         tier = self.tiers[j]
-        victims, ok = tier.make_room(size, protected)
+        if batch is NOTHING or tier.policy.admits_by_eviction:
+            victims, ok = tier.make_room(size, protected)
+        else:
+            victims, ok = tier.make_room(size, AnyOf(protected, batch))
+            if not ok and j + 1 < len(self.tiers):  # above the bottom: the batch's own chunks go down
+                more, ok = tier.make_room(size, protected)
+                victims += more
         for vkey, vsize in victims:
-            self._demote(j, vkey, vsize, protected, moves)
+            self._demote(j, vkey, vsize, protected, moves, batch)
         if not ok:
             tier.counters.rejected += 1
             return False
@@ -229,7 +254,15 @@ class Placement:
         tier.counters.bytes_written += size
         return True
 
-    def _demote(self, j: int, key: str, size: int, protected: Container[str], moves: list[Move]) -> None:
+    def _demote(
+        self,
+        j: int,
+        key: str,
+        size: int,
+        protected: Container[str],
+        moves: list[Move],
+        batch: Container[str] = NOTHING,
+    ) -> None:
         """Tier `j` evicted `key`: hand it to the next tier if that admits it, else drop it."""
         nxt = j + 1
         if self.where(key) is None:
@@ -239,7 +272,7 @@ class Placement:
                 below.policy.miss(key, meta)
                 if below.policy.admit(key, size, meta):
                     at = len(moves)
-                    if self._place(nxt, key, size, meta, protected, moves):
+                    if self._place(nxt, key, size, meta, protected, moves, batch):
                         below.counters.demotions_in += 1
                         moves.insert(at, Copy("demote", key, size, j, nxt))
                         return

@@ -71,11 +71,12 @@ _NCLASS = _HITS * 2
 
 
 class _Entry:
-    __slots__ = ("cls", "hits", "kids", "last", "parent", "size", "tail")
+    __slots__ = ("cls", "hits", "kids", "last", "parent", "size", "tail", "up")
 
-    def __init__(self, size: int, parent: str | None, tail: bool, hits: int, now: int):
+    def __init__(self, size: int, parent: str | None, up: _Entry | None, tail: bool, hits: int, now: int):
         self.size = max(size, 1)
         self.parent = parent
+        self.up = up  # the parent's entry when this one entered: a parent deleted and stored again is a new entry
         self.kids = 0
         self.hits = hits
         self.tail = tail
@@ -184,8 +185,8 @@ class ReusePolicy(Policy):
         parent = meta.parent
         pe = self._e.get(parent) if parent is not None else None
         if self._returning is not None and self._returning[0] == key:
-            return _Entry(size, parent if pe else None, False, self._returning[1], self._now)
-        return _Entry(size, parent if pe else None, meta.tail, 0, self._now)
+            return _Entry(size, parent if pe else None, pe, False, self._returning[1], self._now)
+        return _Entry(size, parent if pe else None, pe, meta.tail, 0, self._now)
 
     def admit(self, key: str, size: int, meta: ChunkMeta = NO_META) -> bool:
         if meta.parent is not None and meta.parent == self._refused:
@@ -226,8 +227,8 @@ class ReusePolicy(Policy):
         self._refused = None
         self._e[key] = e
         self._bytes += e.size
-        if e.parent is not None:
-            self._e[e.parent].kids += 1
+        if e.up is not None:
+            e.up.kids += 1
         self._push(key, e)
 
     def _push(self, key: str, e: _Entry) -> None:
@@ -270,12 +271,11 @@ class ReusePolicy(Policy):
         self._bytes -= e.size
         if evicted:
             self._ghost(key, e)
-        if e.parent is not None:
-            pe = self._e.get(e.parent)
-            if pe is not None:
-                pe.kids -= 1
-                if pe.kids == 0:
-                    self._push(e.parent, pe)
+        pe = e.up
+        if pe is not None and e.parent is not None and self._e.get(e.parent) is pe:
+            pe.kids -= 1
+            if pe.kids == 0:
+                self._push(e.parent, pe)
 
     def _head(self, c: int, protected: Container) -> tuple[int, str] | None:
         entries = self._e
@@ -302,13 +302,10 @@ class ReusePolicy(Policy):
         return best
 
     def victim(self, protected: Container = NOTHING) -> str | None:
+        """The lowest-ranked unprotected leaf; None when every leaf is protected (a chunk
+        with a resident child is never the victim: that would strand the chain below it)."""
         best = self._lowest(protected)
-        if best is not None:
-            return best[2]
-        for key in self._e:
-            if key not in protected:
-                return key
-        return None
+        return None if best is None else best[2]
 
     def __contains__(self, key: object) -> bool:
         return key in self._e

@@ -6,7 +6,8 @@ Owns: `TierModel` (a modelled tier: capacity, policy, bandwidth), `simulate()` a
 Per request: the longest prefix of its blocks held in any tier counts as hits (each hit
 is read from the tier that holds it, promoted to the top tier when lower), then every
 block after that prefix is stored (a block already held somewhere is touched), as one
-batch whose blocks are protected from eviction while it is stored.  `kvstore.tiered`
+write batch (`Placement.store`'s `batch`: its blocks make room for its later ones last,
+and never in the bottom tier).  `kvstore.tiered`
 runs the same `Placement` calls for `prefix_lookup` / `get_many` / `put_many`, so a live
 replay reproduces these hit counts exactly.
 
@@ -127,8 +128,10 @@ def replay(placement: Placement, requests: list[Request], block_bytes: int = 1, 
         hits += n
         for i in range(n):
             hit(keys[i])  # as a live read: the policy knows the chunk from when it was stored
+        batch: set[str] = set()  # as a live `put_many`: the request's blocks are one write batch
         for i in range(n, len(keys)):
-            store(keys[i], block_bytes, chain_meta(keys, i) if parents else NO_META)
+            store(keys[i], block_bytes, chain_meta(keys, i) if parents else NO_META, batch=batch)
+            batch.add(keys[i])
     return hits
 
 

@@ -83,6 +83,20 @@ def test_store_lookup_load_bytes_equal(make_adapter, tmp_path):
     assert usage.total_bytes_used == sum(t.nbytes for t in tensors)
 
 
+def test_store_tasks_into_a_full_tier_succeed_and_the_newest_are_loaded(make_adapter, tmp_path):
+    """Once a bounded tier is full, each store task of fresh chunks still succeeds (the
+    default policy makes room with older chunks, never with the task's own) and its
+    chunks load back; LMCache's server would otherwise log each task as failed."""
+    nbytes = kv(0).nbytes
+    ad = make_adapter([f"file://{tmp_path}/full?capacity={12 * (nbytes + 1024)}&fsync=false"])
+    for t in range(10):
+        keys = [okey(100 * t + i) for i in range(4)]
+        assert store(ad, keys, [kv(100 * t + i) for i in range(4)]), f"store task {t}"
+    keys = [okey(900 + i) for i in range(4)]
+    got = load(ad, keys)
+    assert all(g is not None and torch.equal(g, kv(900 + i)) for i, g in enumerate(got))
+
+
 def test_models_ranks_groups_and_salts_never_collide(make_adapter):
     ad = make_adapter()
     variants = [

@@ -125,3 +125,36 @@ def test_watermarks_evict_down_to_the_low_mark() -> None:
     assert pl.tiers[0].used == 5
     with pytest.raises(ValueError, match="watermarks"):
         TierState(10, make_policy("lru", 10), high=0.5, low=0.9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    policy=st.sampled_from(ONLINE_POLICIES),
+    caps=st.lists(st.integers(20, 80), min_size=1, max_size=3),
+    through=st.booleans(),
+    chained=st.booleans(),
+    batches=st.lists(st.lists(st.tuples(st.sampled_from(KEYS), st.integers(1, 20)), max_size=10), max_size=12),
+)
+def test_a_write_batch_keeps_its_chunks_in_the_bottom_tier(policy, caps, through, chained, batches) -> None:  # type: ignore[no-untyped-def]
+    """Batches of writes: the moves still add up, and no chunk a batch placed in the bottom
+    tier is evicted from it by a later chunk of the same batch (W-TinyLFU excepted: it
+    declines chunks that way)."""
+    tiers = [TierState(c, make_policy(policy, c), write="through" if through and i else "back") for i, c in enumerate(caps)]
+    pl = Placement(tiers)
+    bottom = tiers[-1]
+    physical: list[set[str]] = [set() for _ in tiers]
+    for items in batches:
+        batch: set[str] = set()
+        prev = None
+        kept: set[str] = set()
+        for depth, (key, size) in enumerate(items):
+            meta = ChunkMeta(depth=depth, parent=prev) if chained else ChunkMeta()
+            apply(physical, pl.store(key, size, meta, batch=batch))
+            batch.add(key)
+            prev = key
+            for i, t in enumerate(tiers):
+                assert t.used == sum(t.resident.values()) <= t.capacity
+                assert physical[i] == set(t.resident)
+            if policy != "wtinylfu":
+                assert kept <= set(bottom.resident), f"batch chunks {kept - set(bottom.resident)} evicted by their own batch"
+            kept |= batch & set(bottom.resident)

@@ -278,3 +278,63 @@ def test_registry_names_every_policy_and_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="choose one of"):
         make_policy("fifo", 10)
     assert isinstance(make_policy("lru", 10), LRUPolicy)
+
+
+@pytest.mark.parametrize("policy", [p for p in ONLINE_POLICIES if p != "wtinylfu"])
+@pytest.mark.parametrize("chained", [False, True])
+def test_a_write_batch_never_evicts_its_own_chunks_for_its_later_ones(policy: str, chained: bool) -> None:
+    """Eight fresh chunks written as one batch into a full six-chunk tier: the six older
+    chunks make room, and the batch's last two are refused rather than pushing out its
+    first ones (a later chunk of a prompt is of no use without the earlier ones).  Before,
+    `chain` at a cold start ranked each new chunk below the one before it and evicted it."""
+    pl = single(policy, 6)
+    for i in range(6):
+        pl.store(f"old{i}", 1, batch=set())
+    batch: set[str] = set()
+    ever: set[str] = set()
+    for i in range(8):
+        key = f"b{i}"
+        meta = ChunkMeta(depth=i, parent=f"b{i - 1}" if i else None) if chained else ChunkMeta()
+        pl.store(key, 1, meta, batch=batch)
+        batch.add(key)
+        held = set(pl.tiers[0].resident)
+        assert {k for k in ever if k not in held} == set(), f"{policy} evicted its own batch's chunk"
+        ever |= held & batch
+    if policy != "reuse":  # (reuse may also decline a chunk it predicts is never read)
+        assert set(pl.tiers[0].resident) == {f"b{i}" for i in range(6)}
+
+
+@pytest.mark.parametrize("policy", ["chain", "reuse"])
+def test_a_batch_hanging_off_an_earlier_head_keeps_the_head(policy: str) -> None:
+    """A continuation stored under a head written by an earlier request: once the other
+    chains are gone the batch is refused, never the head evicted (which would strand
+    everything stored under it while the puts said True)."""
+    pl = single(policy, 4)
+    pl.store("h", 1, batch=set())
+    pl.store("x0", 1, batch=set())
+    pl.store("x1", 1, ChunkMeta(depth=1, parent="x0"), batch={"x0"})
+    batch: set[str] = set()
+    prev = "h"
+    for i in range(6):
+        key = f"b{i}"
+        pl.store(key, 1, ChunkMeta(depth=i + 1, parent=prev), batch=batch)
+        batch.add(key)
+        prev = key
+        assert "h" in pl.tiers[0].resident, f"{policy} evicted the batch's head at chunk {i}"
+    held = set(pl.tiers[0].resident)
+    assert "x0" not in held and "x1" not in held
+    for k in held - {"h"}:  # everything held is reachable from the head
+        assert pl.meta[k].parent in held
+
+
+@pytest.mark.parametrize("policy", ["chain", "reuse"])
+def test_a_parent_deleted_and_stored_again_can_still_be_evicted(policy: str) -> None:
+    """A chunk's parent deleted (not evicted) and stored again is a new entry: the old
+    child leaving must not count against it, or it would never be a leaf again."""
+    pol = make_policy(policy, 10)
+    pol.insert("h", 1)
+    pol.insert("c", 1, ChunkMeta(depth=1, parent="h"))
+    pol.remove("h")  # a delete: the child stays
+    pol.insert("h", 1)
+    pol.remove("c", evicted=True)
+    assert pol.victim() == "h"

@@ -215,7 +215,8 @@ async def test_namespace_quota_drops_the_tenants_oldest_and_ttl_expires() -> Non
         clock=clock,
     )
     await store.put_many([(name(i, "b"), chunk(i)) for i in range(2)])
-    await store.put_many([(name(i, "a"), chunk(i)) for i in range(5)])
+    await store.put_many([(name(i, "a"), chunk(i)) for i in range(3)])
+    await store.put_many([(name(i, "a"), chunk(i)) for i in range(3, 5)])
     assert await store.contains_many([name(i, "a") for i in range(5)]) == [False, False, True, True, True]
     assert store.stats().namespaces["a"] == {"bytes": 3 * size, "objects": 3}
     clock.advance(30)
@@ -231,6 +232,40 @@ async def test_namespace_quota_drops_the_tenants_oldest_and_ttl_expires() -> Non
     assert 'kvstore_quota_evictions_total{namespace="a"} 2.0' in text
     assert 'kvstore_expired_total{namespace="b"} 2.0' in text
     await store.close()
+
+
+@pytest.mark.parametrize("policy", ["chain", "lru", "reuse"])
+async def test_a_write_into_a_full_tier_keeps_its_own_chunks_while_older_ones_can_go(policy: str) -> None:
+    """A store batch landing in a full tier is stored whole while older chunks can make
+    room, and a batch larger than the tier keeps its first chunks (its later ones are
+    refused): a batch never pushes out its own chunks.  Before, a full `chain` tier at a
+    cold start failed two of every four writes (it ranked each new chunk below the one
+    before it), and the MP adapter reported the store task failed."""
+
+    def big(i: int) -> torch.Tensor:
+        return torch.full((1024,), float(i))
+
+    store = TieredStore.from_urls([f"mem://?capacity={10 * (4096 + 200)}&policy={policy}"])
+    for r in range(12):
+        batch = [name(r * 4 + i) for i in range(4)]
+        assert await store.put_many([(n, big(r * 4 + i)) for i, n in enumerate(batch)]) == [True] * 4, f"batch {r}"
+        assert all(n in store.placement.tiers[0].resident for n in batch)
+    got = await store.get_many(batch)
+    assert all(g is not None and torch.equal(g, big(44 + i)) for i, g in enumerate(got))
+    st = store.stats().tiers[0]
+    assert st.objects == 10 and st.writes == 48 and st.evictions == 38
+    await store.close()
+
+    size = await frame_size()
+    small = TieredStore([TierSpec(Tier(MemoryBackend()), capacity=3 * size, policy=policy)])
+    assert await small.put_many([(name(100 + i), chunk(i)) for i in range(5)], chained=True) == [True] * 3 + [False] * 2
+    assert await small.prefix_lookup([name(100 + i) for i in range(5)]) == 3
+    await small.close()
+
+    quota = TieredStore.from_urls(["mem://"], namespaces={"a": NamespaceRule(quota=3 * size)})
+    assert await quota.put_many([(name(i, "a"), chunk(i)) for i in range(5)]) == [True] * 3 + [False] * 2
+    assert await quota.contains_many([name(i, "a") for i in range(5)]) == [True] * 3 + [False] * 2
+    await quota.close()
 
 
 @pytest.mark.parametrize("url", ["mem://", "mem://?capacity=64MiB"])
