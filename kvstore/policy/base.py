@@ -92,10 +92,6 @@ class Policy(abc.ABC):
     name: ClassVar[str] = ""
     #: True for offline policies that need the future (`belady`); never a default.
     offline: ClassVar[bool] = False
-    #: True where choosing a chunk just inserted as the victim is how the policy declines
-    #: it (W-TinyLFU's window against its main cache): a write batch's own chunks are
-    #: then not protected from its later ones (`Placement.store`).
-    admits_by_eviction: ClassVar[bool] = False
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

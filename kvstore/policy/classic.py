@@ -198,7 +198,6 @@ class WTinyLFUPolicy(Policy):
     """
 
     name = "wtinylfu"
-    admits_by_eviction = True  # a window victim that loses to the main cache's is declined
     WINDOW = 0.01
     PROTECTED = 0.8
 
@@ -262,11 +261,15 @@ class WTinyLFUPolicy(Policy):
             self._candidates.pop(key, None)
 
     def victim(self, protected: Container[str] = NOTHING) -> str | None:
+        """TinyLFU admission: the newest window overflow stays only if it is more frequent
+        than the main cache's victim.  When it loses but is protected (pinned, or stored
+        by the write now making room: `Placement.store`'s batch) there is no victim and
+        the write is declined instead, so a prompt keeps its first chunks."""
         vic = _first_unprotected(self.probation, protected)
         cand = None
         while self._candidates:
             k = next(reversed(self._candidates))
-            if k in self.probation and k not in protected:
+            if k in self.probation:
                 cand = k
                 break
             self._candidates.pop(k)
@@ -274,9 +277,10 @@ class WTinyLFUPolicy(Policy):
             return _first_unprotected(self.protected, protected) or _first_unprotected(self.window, protected)
         if cand is None or cand == vic:
             return vic
-        # TinyLFU admission: the newcomer stays only if it is more frequent than the victim
         if self.freq.get(cand, 0) > self.freq.get(vic, 0):
             return vic
+        if cand in protected:
+            return None
         self._candidates.pop(cand)
         return cand
 

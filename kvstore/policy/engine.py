@@ -3,7 +3,8 @@
 Owns: per-tier residency and byte accounting (`TierState`), the multi-tier rules
 (`Placement`): stores land in the top tier (and in every write-through tier), a hit in a
 lower tier is promoted to the top, a victim is demoted into the next tier instead of
-dropped when that tier admits it, watermarks bound each tier.  Decisions are returned as
+dropped when that tier admits it, watermarks bound each tier, and a write batch's own
+chunks are never evicted for its later ones (those go to a lower tier or are refused).  Decisions are returned as
 typed moves (`Write`, `Copy`, `Drop`; `Move` is their union); nothing here does I/O, so `kvstore.tiered.TieredStore` (live) and
 `kvstore.policy.simulate` (trace replay) run exactly the same bookkeeping.
 
@@ -16,7 +17,7 @@ moves and keeps the source readable until each copy has landed.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Collection, Container, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Union
 
@@ -120,6 +121,11 @@ class TierState:
             victims.append((key, self.take(key, evicted=True)))
         return victims, self.used + size <= cap
 
+    def bytes_of(self, keys: Collection[str]) -> int:
+        """Bytes of those of `keys` this tier holds."""
+        resident = self.resident
+        return sum(resident.get(k, 0) for k in keys)
+
     def add(self, key: str, size: int, meta: ChunkMeta) -> None:
         self.resident[key] = size
         self.used += size
@@ -194,18 +200,19 @@ class Placement:
         size: int,
         meta: ChunkMeta = NO_META,
         protected: Container[str] = NOTHING,
-        batch: Container[str] = NOTHING,
+        batch: Collection[str] = NOTHING,
     ) -> list[Move]:
         """A write of `key`: land it in the top tier and every write-through tier.
 
         A key already held somewhere is a touch there (no rewrite).  `batch`: the keys the
-        same write stored before this one.  They are the last to make room for it in any
-        tier, and in the bottom tier, where a victim is gone for good, they never do: a
-        later chunk of a prompt is of no use without the earlier ones, so there the write
-        is refused and the batch keeps its prefix.  (A policy may rank new chunks below
-        old ones, as `chain` does while its estimate for never-reused chunks falls at a
-        cold start.)  A tier whose policy declines chunks by evicting them
-        (`Policy.admits_by_eviction`) is left to do so.
+        same write stored before this one (a prompt's chunks, in order).  No tier evicts
+        them to make room for it: a later chunk of a prompt is of no use without the
+        earlier ones (a policy may rank new chunks below old ones, as `chain` does while
+        its estimate for never-reused chunks falls at a cold start).  When the top tier
+        cannot make room otherwise, the write lands in the first write-back tier below
+        that can, as a demotion would have put it there; when none can, it is refused and
+        the batch keeps its prefix.  A tier refuses without evicting anything when the
+        batch's own chunks leave no room for it.
         """
         i = self.where(key)
         if i is not None:
@@ -222,7 +229,27 @@ class Placement:
             at = len(moves)
             if self._place(j, key, size, meta, protected, moves, batch):
                 moves.insert(at, Write(key, size, j))
+            elif j == 0 and batch is not NOTHING:
+                self._spill(key, size, meta, protected, moves, batch)
         return moves
+
+    def _spill(
+        self, key: str, size: int, meta: ChunkMeta, protected: Container[str], moves: list[Move], batch: Collection[str]
+    ) -> None:
+        """The top tier had no room a write batch could make: land `key` in the first
+        write-back tier below that takes it (admission and room, as for a demotion)."""
+        for k in range(1, len(self.tiers)):
+            below = self.tiers[k]
+            if below.write == "through":
+                continue  # `store` writes there anyway
+            below.policy.miss(key, meta)
+            if not below.policy.admit(key, size, meta):
+                below.counters.rejected += 1
+                continue
+            at = len(moves)
+            if self._place(k, key, size, meta, protected, moves, batch):
+                moves.insert(at, Write(key, size, k))
+                return
 
     def _place(
         self,
@@ -232,16 +259,15 @@ class Placement:
         meta: ChunkMeta,
         protected: Container[str],
         moves: list[Move],
-        batch: Container[str] = NOTHING,
+        batch: Collection[str] = NOTHING,
     ) -> bool:
         tier = self.tiers[j]
-        if batch is NOTHING or tier.policy.admits_by_eviction:
+        if batch is NOTHING:
             victims, ok = tier.make_room(size, protected)
+        elif tier.used + size > tier.high * tier.capacity and size + tier.bytes_of(batch) > tier.capacity:
+            victims, ok = [], False  # only the batch's own chunks could make room: evict nothing
         else:
             victims, ok = tier.make_room(size, AnyOf(protected, batch))
-            if not ok and j + 1 < len(self.tiers):  # above the bottom: the batch's own chunks go down
-                more, ok = tier.make_room(size, protected)
-                victims += more
         for vkey, vsize in victims:
             self._demote(j, vkey, vsize, protected, moves, batch)
         if not ok:
@@ -261,7 +287,7 @@ class Placement:
         size: int,
         protected: Container[str],
         moves: list[Move],
-        batch: Container[str] = NOTHING,
+        batch: Collection[str] = NOTHING,
     ) -> None:
         """Tier `j` evicted `key`: hand it to the next tier if that admits it, else drop it."""
         nxt = j + 1

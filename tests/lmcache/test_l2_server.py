@@ -228,3 +228,24 @@ def test_lmcache_l2_eviction_works_over_the_adapter(tmp_path: Path) -> None:
             while files() >= 8 and time.monotonic() < deadline:
                 time.sleep(0.5)
             assert files() < 8, "LMCache's eviction deleted chunks through the adapter"
+
+
+def test_a_full_bounded_tier_still_stores_each_new_prompt_whole(tmp_path: Path) -> None:
+    """A disk tier bounded at ~10 chunks under the default policy, prompts of 4 fresh
+    chunks stored one after another: once the tier is full each store task still
+    succeeds (older prompts make room, never the task's own chunks), so with L1 cleared
+    the newest prompt is a full hit, and the server logs no failed store task."""
+    disk = tmp_path / "disk"
+    log = tmp_path / "server.log"
+    spec = kvstore_adapter([f"file://{disk}?capacity=64MiB&fsync=false"])
+    with MPServer([spec], chunk_size=CHUNK, l1_size_gb=0.2, log_path=log) as server, client(server) as c:
+        for p in range(5):
+            toks = tokens(4 * CHUNK, seed=100 + p)
+            kv = random_kv(len(toks), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=100 + p)
+            assert c.store(toks, kv) == 4 * CHUNK
+            assert c.wait_stored(toks, timeout=60), f"prompt {p} not stored"
+            c.clear_l1()
+            hit, got = c.retrieve(toks)
+            assert hit == 4 * CHUNK, f"prompt {p}: {hit // CHUNK} of 4 chunks served from the full tier"
+            assert bytes_equal(got, kv[:, :, :hit])
+    assert "failed for keys" not in log.read_text()

@@ -268,6 +268,39 @@ async def test_a_write_into_a_full_tier_keeps_its_own_chunks_while_older_ones_ca
     await quota.close()
 
 
+@pytest.mark.parametrize("policy", ["chain", "lru", "reuse"])
+async def test_a_batch_larger_than_the_hot_tier_goes_on_below_it_and_is_never_lost(policy: str) -> None:
+    """Two small tiers and a chained batch larger than both: the chunks the hot tier cannot
+    take land in the tier below, the rest are refused, and everything reported stored is
+    held as one prefix — including a chunk the batch only touched (held from before)."""
+    size = await frame_size()
+
+    def two_tiers(top: int, below: int) -> TieredStore:
+        return TieredStore(
+            [
+                TierSpec(Tier(MemoryBackend()), capacity=top * size, policy=policy),
+                TierSpec(Tier(MemoryBackend()), capacity=below * size, policy=policy),
+            ]
+        )
+
+    store = two_tiers(2, 2)
+    names = [name(i) for i in range(6)]
+    assert await store.put_many([(n, chunk(i)) for i, n in enumerate(names)], chained=True) == [True] * 4 + [False] * 2
+    assert await store.prefix_lookup(names) == 4
+    got = await store.get_many(names[:4])
+    assert all(g is not None and torch.equal(g, chunk(i)) for i, g in enumerate(got))
+    await store.close()
+
+    store = two_tiers(3, 1)
+    x = name(99)
+    assert await store.put_many([(x, chunk(99))]) == [True]
+    items = [(name(0), chunk(0)), (name(1), chunk(1)), (x, chunk(99))] + [(name(i), chunk(i)) for i in range(2, 5)]
+    ok = await store.put_many(items, chained=True)
+    assert ok == [True] * 4 + [False] * 2
+    assert await store.contains_many([n for n, _ in items]) == ok
+    await store.close()
+
+
 @pytest.mark.parametrize("url", ["mem://", "mem://?capacity=64MiB"])
 async def test_a_corrupt_chunk_is_a_counted_quarantined_miss(url: str) -> None:
     backend = MemoryBackend.from_url(url)
