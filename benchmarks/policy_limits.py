@@ -258,7 +258,7 @@ class FrozenDensity(Policy):
                     best = (score, top[-1])
         return best
 
-    def victim(self, protected: Container = NOTHING) -> Hashable | None:
+    def victim(self, protected: Container = NOTHING, own: Container = NOTHING) -> Hashable | None:
         found = self._lowest(protected)
         if found is not None:
             return found[1]

@@ -26,7 +26,17 @@ from kvstore.policy.base import NO_META, AnyOf, ChunkMeta, Policy
 from kvstore.policy.belady import BeladyPolicy
 from kvstore.policy.chain import ChainPolicy
 from kvstore.policy.classic import ARCPolicy, LFUPolicy, LRUPolicy, WTinyLFUPolicy
-from kvstore.policy.engine import Copy, Drop, Move, Placement, PlacementCounters, TierState, Write, WriteMode
+from kvstore.policy.engine import (
+    Copy,
+    Drop,
+    Move,
+    Placement,
+    PlacementCounters,
+    TierState,
+    Write,
+    WriteBatch,
+    WriteMode,
+)
 from kvstore.policy.reuse import ReusePolicy
 
 DEFAULT_POLICY = "chain"
@@ -62,6 +72,7 @@ __all__ = [
     "Policy",
     "TierState",
     "Write",
+    "WriteBatch",
     "WriteMode",
     "make_policy",
 ]

@@ -116,8 +116,13 @@ class Policy(abc.ABC):
         """`key` left the tier: chosen victim (`evicted`) or deleted.  Unknown keys are ignored."""
 
     @abc.abstractmethod
-    def victim(self, protected: Container[str] = NOTHING) -> str | None:
-        """The resident key to drop next, never one in `protected`; None if there is none."""
+    def victim(self, protected: Container[str] = NOTHING, own: Container[str] = NOTHING) -> str | None:
+        """The resident key to drop next, never one in `protected`; None if there is none.
+
+        own: the keys the write now making room stored before (all in `protected` too). A
+        policy that declines a newcomer by evicting it (W-TinyLFU) declines the write
+        instead (None) when that newcomer is one of them; the others ignore it.
+        """
 
     @abc.abstractmethod
     def __contains__(self, key: object) -> bool: ...

@@ -75,7 +75,7 @@ class BeladyPolicy(Policy):
         self._due.pop(key, None)
         self._used -= self._sizes.pop(key, 0)
 
-    def victim(self, protected: Container[str] = NOTHING) -> str | None:
+    def victim(self, protected: Container[str] = NOTHING, own: Container[str] = NOTHING) -> str | None:
         top = lazy_heap_top(self._heap, lambda e: self._due.get(e[1]) == -e[0], protected)
         return None if top is None else top[1]
 

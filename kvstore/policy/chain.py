@@ -230,7 +230,7 @@ class ChainPolicy(Policy):
             self._compact(k)
         return found
 
-    def victim(self, protected: Container = NOTHING) -> str | None:
+    def victim(self, protected: Container = NOTHING, own: Container[str] = NOTHING) -> str | None:
         """The best unprotected leaf; None when every leaf is protected (a chunk with a
         resident child is never the victim: evicting it would strand the chain below it,
         e.g. a store batch hanging off a head stored by an earlier request)."""

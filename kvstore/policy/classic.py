@@ -40,7 +40,7 @@ class LRUPolicy(Policy):
     def remove(self, key: str, evicted: bool = False) -> None:
         self._order.pop(key, None)
 
-    def victim(self, protected: Container[str] = NOTHING) -> str | None:
+    def victim(self, protected: Container[str] = NOTHING, own: Container[str] = NOTHING) -> str | None:
         return _first_unprotected(self._order, protected)
 
     def order(self) -> list[str]:
@@ -84,7 +84,7 @@ class LFUPolicy(Policy):
         self._freq.pop(key, None)
         self._stamp.pop(key, None)
 
-    def victim(self, protected: Container[str] = NOTHING) -> str | None:
+    def victim(self, protected: Container[str] = NOTHING, own: Container[str] = NOTHING) -> str | None:
         top = lazy_heap_top(self._heap, lambda e: self._stamp.get(e[2]) == e[1], protected)
         found = None if top is None else top[2]
         if len(self._heap) > 4 * len(self._stamp) + 64:
@@ -172,7 +172,7 @@ class ARCPolicy(Policy):
         while b["t1"] + b["t2"] + b["b1"] + b["b2"] > 2 * self.capacity and self.b2:
             self._pop("b2", next(iter(self.b2)))
 
-    def victim(self, protected: Container[str] = NOTHING) -> str | None:
+    def victim(self, protected: Container[str] = NOTHING, own: Container[str] = NOTHING) -> str | None:
         t1_first = self.t1 and (
             self.bytes["t1"] > self.p or (self._ghost_hit == "b2" and self.bytes["t1"] >= self.p)
         )
@@ -260,16 +260,16 @@ class WTinyLFUPolicy(Policy):
             self.probation.pop(key, None)
             self._candidates.pop(key, None)
 
-    def victim(self, protected: Container[str] = NOTHING) -> str | None:
+    def victim(self, protected: Container[str] = NOTHING, own: Container[str] = NOTHING) -> str | None:
         """TinyLFU admission: the newest window overflow stays only if it is more frequent
-        than the main cache's victim.  When it loses but is protected (pinned, or stored
-        by the write now making room: `Placement.store`'s batch) there is no victim and
-        the write is declined instead, so a prompt keeps its first chunks."""
+        than the main cache's victim.  When it loses but was stored by the write now
+        making room (`own`) there is no victim: that write is declined instead, so a
+        prompt keeps its first chunks.  A pinned or read newcomer is passed over."""
         vic = _first_unprotected(self.probation, protected)
         cand = None
         while self._candidates:
             k = next(reversed(self._candidates))
-            if k in self.probation:
+            if k in self.probation and (k not in protected or k in own):
                 cand = k
                 break
             self._candidates.pop(k)
@@ -279,7 +279,7 @@ class WTinyLFUPolicy(Policy):
             return vic
         if self.freq.get(cand, 0) > self.freq.get(vic, 0):
             return vic
-        if cand in protected:
+        if cand in own:
             return None
         self._candidates.pop(cand)
         return cand

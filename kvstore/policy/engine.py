@@ -17,7 +17,7 @@ moves and keeps the source readable until each copy has landed.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Union
 
@@ -105,8 +105,11 @@ class TierState:
     def __contains__(self, key: object) -> bool:
         return key in self.resident
 
-    def make_room(self, size: int, protected: Container[str] = NOTHING) -> tuple[list[tuple[str, int]], bool]:
-        """Evict for a write of `size`: (victims, already removed; whether it now fits)."""
+    def make_room(
+        self, size: int, protected: Container[str] = NOTHING, own: Container[str] = NOTHING
+    ) -> tuple[list[tuple[str, int]], bool]:
+        """Evict for a write of `size`: (victims, already removed; whether it now fits).
+        `own`: the keys the same write stored before (`Policy.victim`)."""
         cap = self.capacity
         if size > cap:
             return [], False
@@ -115,16 +118,11 @@ class TierState:
         target = self.low * cap - size
         victims: list[tuple[str, int]] = []
         while self.used > target:
-            key = self.policy.victim(protected)
+            key = self.policy.victim(protected, own)
             if key is None:
                 break
             victims.append((key, self.take(key, evicted=True)))
         return victims, self.used + size <= cap
-
-    def bytes_of(self, keys: Collection[str]) -> int:
-        """Bytes of those of `keys` this tier holds."""
-        resident = self.resident
-        return sum(resident.get(k, 0) for k in keys)
 
     def add(self, key: str, size: int, meta: ChunkMeta) -> None:
         self.resident[key] = size
@@ -138,6 +136,38 @@ class TierState:
         if evicted:
             self.counters.evictions += 1
         return size
+
+
+class WriteBatch(Container[str]):
+    """The keys one write (a prompt's chunks, in order) has stored or touched so far, with
+    their bytes in each tier.  `Placement.store` records them; no tier evicts them to make
+    room for the write's later keys, so while the write goes on they stay where they are
+    and the byte counts stay true."""
+
+    __slots__ = ("_bytes", "keys")
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self._bytes: dict[int, int] = {}
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def bytes_in(self, tier: int) -> int:
+        """Bytes of the batch's keys that tier `tier` holds."""
+        return self._bytes.get(tier, 0)
+
+    def note(self, key: str, tiers: Sequence[TierState]) -> None:
+        if key in self.keys:
+            return
+        self.keys.add(key)
+        for j, t in enumerate(tiers):
+            size = t.resident.get(key)
+            if size is not None:
+                self._bytes[j] = self._bytes.get(j, 0) + size
 
 
 class Placement:
@@ -200,25 +230,28 @@ class Placement:
         size: int,
         meta: ChunkMeta = NO_META,
         protected: Container[str] = NOTHING,
-        batch: Collection[str] = NOTHING,
+        batch: WriteBatch | None = None,
     ) -> list[Move]:
         """A write of `key`: land it in the top tier and every write-through tier.
 
-        A key already held somewhere is a touch there (no rewrite).  `batch`: the keys the
-        same write stored before this one (a prompt's chunks, in order).  No tier evicts
-        them to make room for it: a later chunk of a prompt is of no use without the
-        earlier ones (a policy may rank new chunks below old ones, as `chain` does while
-        its estimate for never-reused chunks falls at a cold start).  When the top tier
-        cannot make room otherwise, the write lands in the first write-back tier below
-        that can, as a demotion would have put it there; when none can, it is refused and
-        the batch keeps its prefix.  A tier refuses without evicting anything when the
-        batch's own chunks leave no room for it.
+        A key already held somewhere is a touch there (no rewrite).  `batch`: the write
+        `key` belongs to (a prompt's chunks, in order; `key` is recorded in it).  No tier
+        evicts a key the batch stored or touched before to make room for a later one: a
+        later chunk of a prompt is of no use without the earlier ones (a policy may rank
+        new chunks below old ones, as `chain` does while its estimate for never-reused
+        chunks falls at a cold start).  When the top tier cannot make room otherwise, the
+        write lands in the first write-back tier below that can, as a demotion would have
+        put it there; when none can, it is refused and the batch keeps its prefix.  A tier
+        that only the batch's own keys could make room in evicts nothing.
         """
         i = self.where(key)
         if i is not None:
             self.tiers[i].policy.touch(key, meta)
+            if batch is not None:
+                batch.note(key, self.tiers)
             return []
         moves: list[Move] = []
+        no_room = False
         for j, tier in enumerate(self.tiers):
             if j and tier.write != "through":
                 continue
@@ -229,19 +262,25 @@ class Placement:
             at = len(moves)
             if self._place(j, key, size, meta, protected, moves, batch):
                 moves.insert(at, Write(key, size, j))
-            elif j == 0 and batch is not NOTHING:
+            elif j == 0:
+                no_room = True
+        if batch is not None:
+            if no_room and self.where(key) is None:
                 self._spill(key, size, meta, protected, moves, batch)
+            if self.where(key) is not None:
+                batch.note(key, self.tiers)
         return moves
 
     def _spill(
-        self, key: str, size: int, meta: ChunkMeta, protected: Container[str], moves: list[Move], batch: Collection[str]
+        self, key: str, size: int, meta: ChunkMeta, protected: Container[str], moves: list[Move], batch: WriteBatch
     ) -> None:
-        """The top tier had no room a write batch could make: land `key` in the first
-        write-back tier below that takes it (admission and room, as for a demotion)."""
+        """The top tier had no room for a write of `batch` and no write-through tier took
+        it: land `key` in the first write-back tier below that does (admission and room,
+        as for a demotion)."""
         for k in range(1, len(self.tiers)):
             below = self.tiers[k]
             if below.write == "through":
-                continue  # `store` writes there anyway
+                continue
             below.policy.miss(key, meta)
             if not below.policy.admit(key, size, meta):
                 below.counters.rejected += 1
@@ -259,15 +298,15 @@ class Placement:
         meta: ChunkMeta,
         protected: Container[str],
         moves: list[Move],
-        batch: Collection[str] = NOTHING,
+        batch: WriteBatch | None = None,
     ) -> bool:
         tier = self.tiers[j]
-        if batch is NOTHING:
+        if batch is None:
             victims, ok = tier.make_room(size, protected)
-        elif tier.used + size > tier.high * tier.capacity and size + tier.bytes_of(batch) > tier.capacity:
-            victims, ok = [], False  # only the batch's own chunks could make room: evict nothing
+        elif size + batch.bytes_in(j) > tier.capacity:
+            victims, ok = [], False  # only the batch's own keys could make room: evict nothing
         else:
-            victims, ok = tier.make_room(size, AnyOf(protected, batch))
+            victims, ok = tier.make_room(size, AnyOf(protected, batch), batch)
         for vkey, vsize in victims:
             self._demote(j, vkey, vsize, protected, moves, batch)
         if not ok:
@@ -287,7 +326,7 @@ class Placement:
         size: int,
         protected: Container[str],
         moves: list[Move],
-        batch: Collection[str] = NOTHING,
+        batch: WriteBatch | None = None,
     ) -> None:
         """Tier `j` evicted `key`: hand it to the next tier if that admits it, else drop it."""
         nxt = j + 1

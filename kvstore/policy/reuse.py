@@ -301,7 +301,7 @@ class ReusePolicy(Policy):
                 best = (r, last, key)
         return best
 
-    def victim(self, protected: Container = NOTHING) -> str | None:
+    def victim(self, protected: Container = NOTHING, own: Container[str] = NOTHING) -> str | None:
         """The lowest-ranked unprotected leaf; None when every leaf is protected (a chunk
         with a resident child is never the victim: that would strand the chain below it)."""
         best = self._lowest(protected)

@@ -6,8 +6,7 @@ Owns: `TierModel` (a modelled tier: capacity, policy, bandwidth), `simulate()` a
 Per request: the longest prefix of its blocks held in any tier counts as hits (each hit
 is read from the tier that holds it, promoted to the top tier when lower), then every
 block after that prefix is stored (a block already held somewhere is touched), as one
-write batch (`Placement.store`'s `batch`: its blocks make room for its later ones last,
-and never in the bottom tier).  `kvstore.tiered`
+write batch (`WriteBatch`: no tier evicts its blocks for its later ones).  `kvstore.tiered`
 runs the same `Placement` calls for `prefix_lookup` / `get_many` / `put_many`, so a live
 replay reproduces these hit counts exactly.
 
@@ -24,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvstore.policy import DEFAULT_POLICY, ChunkMeta, make_policy
 from kvstore.policy.base import NO_META
-from kvstore.policy.engine import Placement, TierState, WriteMode
+from kvstore.policy.engine import Placement, TierState, WriteBatch, WriteMode
 from kvstore.policy.trace import BLOCK_TOKENS, Request, distinct_blocks
 
 GB = 1e9
@@ -128,10 +127,9 @@ def replay(placement: Placement, requests: list[Request], block_bytes: int = 1, 
         hits += n
         for i in range(n):
             hit(keys[i])  # as a live read: the policy knows the chunk from when it was stored
-        batch: set[str] = set()  # as a live `put_many`: the request's blocks are one write batch
+        batch = WriteBatch()  # as a live `put_many`: the request's blocks are one write
         for i in range(n, len(keys)):
             store(keys[i], block_bytes, chain_meta(keys, i) if parents else NO_META, batch=batch)
-            batch.add(keys[i])
     return hits
 
 

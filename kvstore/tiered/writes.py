@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import namespace_of
-from kvstore.policy import NO_META, AnyOf, ChunkMeta, Copy, Drop, Move, Write
+from kvstore.policy import NO_META, AnyOf, ChunkMeta, Copy, Drop, Move, Write, WriteBatch
 from kvstore.tiered.inflight import Ticket
 from kvstore.tiered.moves import Mover
 from kvstore.tiered.parts import Parts
@@ -84,7 +84,7 @@ class Writer:
         writes marked in flight (a name already held is a touch: `results` True)."""
         p = self.p
         protected = p.inflight
-        placed: set[str] = set()  # the batch's names planned so far: none makes room for a later one
+        placed = WriteBatch()  # the names planned so far: none makes room for a later one
         keep = AnyOf(protected, placed)
         steps: list[tuple[int, Write] | Move] = []  # writes (item, Write) and moves, in plan order
         prev_meta = p.placement.meta.get(parent, NO_META) if parent is not None else NO_META
@@ -116,7 +116,6 @@ class Writer:
                 if name not in p.book:
                     p.book.add(name, size, now)  # reserved now: later items see the quota
                 steps.append((i, m) if isinstance(m, Write) else m)
-            placed.add(name)
         writes, moves = self._shortest_way(steps)
         for _, w in writes:
             p.inflight.add_write(ticket, w.key)

@@ -15,6 +15,7 @@ from kvstore.policy import (
     Placement,
     TierState,
     Write,
+    WriteBatch,
     make_policy,
 )
 
@@ -41,7 +42,7 @@ def apply(physical: list[set[str]], moves: list[Move]) -> None:
             physical[m.src].discard(m.key)
 
 
-SELECTIVE_ADMISSION = {"reuse", "wtinylfu"}
+SELECTIVE_ADMISSION = {"reuse"}
 
 
 @settings(max_examples=60, deadline=None)
@@ -143,13 +144,12 @@ def test_a_write_batch_never_loses_its_own_chunks(policy, caps, through, chained
     pl = Placement(tiers)
     physical: list[set[str]] = [set() for _ in tiers]
     for items in batches:
-        batch: set[str] = set()
+        batch = WriteBatch()
         prev = None
         kept: set[str] = set()
         for depth, (key, size) in enumerate(items):
             meta = ChunkMeta(depth=depth, parent=prev) if chained else ChunkMeta()
             apply(physical, pl.store(key, size, meta, batch=batch))
-            batch.add(key)
             prev = key
             for i, t in enumerate(tiers):
                 assert t.used == sum(t.resident.values()) <= t.capacity

@@ -15,6 +15,7 @@ from kvstore.policy import (
     ChunkMeta,
     Placement,
     TierState,
+    WriteBatch,
     make_policy,
 )
 from kvstore.policy.chain import _class
@@ -289,17 +290,16 @@ def test_a_write_batch_never_evicts_its_own_chunks_for_its_later_ones(policy: st
     `chain` at a cold start ranked each new chunk below the one before it and evicted it."""
     pl = single(policy, 6)
     for i in range(6):
-        pl.store(f"old{i}", 1, batch=set())
-    batch: set[str] = set()
+        pl.store(f"old{i}", 1, batch=WriteBatch())
+    batch = WriteBatch()
     ever: set[str] = set()
     for i in range(8):
         key = f"b{i}"
         meta = ChunkMeta(depth=i, parent=f"b{i - 1}" if i else None) if chained else ChunkMeta()
         pl.store(key, 1, meta, batch=batch)
-        batch.add(key)
         held = set(pl.tiers[0].resident)
         assert {k for k in ever if k not in held} == set(), f"{policy} evicted its own batch's chunk"
-        ever |= held & batch
+        ever |= held & batch.keys
     if policy not in ("reuse", "wtinylfu"):  # (these may also decline a chunk they predict is not read)
         assert set(pl.tiers[0].resident) == {f"b{i}" for i in range(6)}
 
@@ -310,15 +310,15 @@ def test_a_batch_hanging_off_an_earlier_head_keeps_the_head(policy: str) -> None
     chains are gone the batch is refused, never the head evicted (which would strand
     everything stored under it while the puts said True)."""
     pl = single(policy, 4)
-    pl.store("h", 1, batch=set())
-    pl.store("x0", 1, batch=set())
-    pl.store("x1", 1, ChunkMeta(depth=1, parent="x0"), batch={"x0"})
-    batch: set[str] = set()
+    pl.store("h", 1, batch=WriteBatch())
+    earlier = WriteBatch()
+    pl.store("x0", 1, batch=earlier)
+    pl.store("x1", 1, ChunkMeta(depth=1, parent="x0"), batch=earlier)
+    batch = WriteBatch()
     prev = "h"
     for i in range(6):
         key = f"b{i}"
         pl.store(key, 1, ChunkMeta(depth=i + 1, parent=prev), batch=batch)
-        batch.add(key)
         prev = key
         assert "h" in pl.tiers[0].resident, f"{policy} evicted the batch's head at chunk {i}"
     held = set(pl.tiers[0].resident)
@@ -346,7 +346,8 @@ def test_a_write_only_its_own_batch_could_make_room_for_evicts_nothing(policy: s
     older chunks where they are (they would have been evicted for nothing)."""
     pl = single(policy, 10)
     for i in range(4):
-        pl.store(f"o{i}", 1, batch=set())
-    pl.store("b0", 6, ChunkMeta(), batch=set())
-    assert pl.store("b1", 5, ChunkMeta(depth=1, parent="b0"), batch={"b0"}) == []
+        pl.store(f"o{i}", 1, batch=WriteBatch())
+    batch = WriteBatch()
+    pl.store("b0", 6, ChunkMeta(), batch=batch)
+    assert pl.store("b1", 5, ChunkMeta(depth=1, parent="b0"), batch=batch) == []
     assert set(pl.tiers[0].resident) == {"o0", "o1", "o2", "o3", "b0"}
