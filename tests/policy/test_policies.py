@@ -351,3 +351,19 @@ def test_a_write_only_its_own_batch_could_make_room_for_evicts_nothing(policy: s
     pl.store("b0", 6, ChunkMeta(), batch=batch)
     assert pl.store("b1", 5, ChunkMeta(depth=1, parent="b0"), batch=batch) == []
     assert set(pl.tiers[0].resident) == {"o0", "o1", "o2", "o3", "b0"}
+
+
+def test_wtinylfu_passes_over_a_pinned_newcomer_and_declines_only_a_writes_own() -> None:
+    """W-TinyLFU declines a newcomer that loses the frequency contest.  A pinned one (an
+    L2 lookup's lock) is passed over, so writes go on; one the same write stored declines
+    that write (the prompt keeps its first chunks)."""
+    pl = single("wtinylfu", 100)
+    pol = pl.tiers[0].policy
+    for i in range(100):
+        pl.store(f"o{i}", 1, batch=WriteBatch())
+    pinned = {next(reversed(pol._candidates))}  # type: ignore[attr-defined]
+    stored = [bool(pl.store(f"n{i}", 1, protected=pinned, batch=WriteBatch())) for i in range(50)]
+    assert all(stored) and pinned <= pl.tiers[0].resident.keys()
+    batch = WriteBatch()
+    got = [bool(pl.store(f"p{i}", 1, batch=batch)) for i in range(8)]
+    assert got[0] and got == sorted(got, reverse=True), "a prefix of the write, then refusals"
