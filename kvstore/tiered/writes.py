@@ -86,6 +86,8 @@ class Writer:
         protected = p.inflight
         placed = WriteBatch()  # the names planned so far: none makes room for a later one
         keep = AnyOf(protected, placed)
+        if chained and parent is not None:  # nor does the prefix the batch continues (quotas)
+            keep = AnyOf(keep, self._ancestors(parent))
         steps: list[tuple[int, Write] | Move] = []  # writes (item, Write) and moves, in plan order
         prev_meta = p.placement.meta.get(parent, NO_META) if parent is not None else NO_META
         prev = parent
@@ -120,6 +122,16 @@ class Writer:
         for _, w in writes:
             p.inflight.add_write(ticket, w.key)
         return ticket, writes, moves
+
+    def _ancestors(self, name: str) -> set[str]:
+        """`name` and the chunks before it in its prefix chain, as far as the books know."""
+        meta = self.p.placement.meta
+        out: set[str] = set()
+        key: str | None = name
+        while key is not None and key not in out:
+            out.add(key)
+            key = meta.get(key, NO_META).parent
+        return out
 
     async def _frames(
         self, items: Sequence[tuple[str, torch.Tensor]], layout: str

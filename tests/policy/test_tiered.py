@@ -267,6 +267,15 @@ async def test_a_write_into_a_full_tier_keeps_its_own_chunks_while_older_ones_ca
     assert await quota.contains_many([name(i, "a") for i in range(5)]) == [True] * 3 + [False] * 2
     await quota.close()
 
+    # a continuation (`parent=`) does not push the prefix it continues out of the quota either
+    quota = TieredStore.from_urls(["mem://"], namespaces={"a": NamespaceRule(quota=4 * size)})
+    n = [name(i, "a") for i in range(5)]
+    assert await quota.put_many([(n[i], chunk(i)) for i in range(2)], chained=True) == [True] * 2
+    got = await quota.put_many([(n[i], chunk(i)) for i in range(2, 5)], chained=True, parent=n[1])
+    assert got == [True, True, False]
+    assert await quota.prefix_lookup(n) == 4
+    await quota.close()
+
 
 @pytest.mark.parametrize("policy", ["chain", "lru", "reuse"])
 async def test_a_batch_larger_than_the_hot_tier_goes_on_below_it_and_is_never_lost(policy: str) -> None:
