@@ -255,40 +255,41 @@ class Placement:
         for j, tier in enumerate(self.tiers):
             if j and tier.write != "through":
                 continue
-            tier.policy.miss(key, meta)
-            if not tier.policy.admit(key, size, meta):
-                tier.counters.rejected += 1
-                continue
-            at = len(moves)
-            if self._place(j, key, size, meta, protected, moves, batch):
-                moves.insert(at, Write(key, size, j))
-            elif j == 0:
+            if self._write(j, key, size, meta, protected, moves, batch) is False and j == 0:
                 no_room = True
         if batch is not None:
             if no_room and self.where(key) is None:
-                self._spill(key, size, meta, protected, moves, batch)
+                # the top tier had no room and no write-through tier took it: the first
+                # write-back tier below that admits it and has room, as for a demotion
+                for k in range(1, len(self.tiers)):
+                    if self.tiers[k].write == "back" and self._write(k, key, size, meta, protected, moves, batch):
+                        break
             if self.where(key) is not None:
                 batch.note(key, self.tiers)
         return moves
 
-    def _spill(
-        self, key: str, size: int, meta: ChunkMeta, protected: Container[str], moves: list[Move], batch: WriteBatch
-    ) -> None:
-        """The top tier had no room for a write of `batch` and no write-through tier took
-        it: land `key` in the first write-back tier below that does (admission and room,
-        as for a demotion)."""
-        for k in range(1, len(self.tiers)):
-            below = self.tiers[k]
-            if below.write == "through":
-                continue
-            below.policy.miss(key, meta)
-            if not below.policy.admit(key, size, meta):
-                below.counters.rejected += 1
-                continue
-            at = len(moves)
-            if self._place(k, key, size, meta, protected, moves, batch):
-                moves.insert(at, Write(key, size, k))
-                return
+    def _write(
+        self,
+        j: int,
+        key: str,
+        size: int,
+        meta: ChunkMeta,
+        protected: Container[str],
+        moves: list[Move],
+        batch: WriteBatch | None,
+    ) -> bool | None:
+        """Offer a write of `key` to tier `j`: None if its policy declines it, else whether
+        it was placed (a `Write` move, after the moves that made its room)."""
+        tier = self.tiers[j]
+        tier.policy.miss(key, meta)
+        if not tier.policy.admit(key, size, meta):
+            tier.counters.rejected += 1
+            return None
+        at = len(moves)
+        if not self._place(j, key, size, meta, protected, moves, batch):
+            return False
+        moves.insert(at, Write(key, size, j))
+        return True
 
     def _place(
         self,
