@@ -54,6 +54,9 @@ class InFlight:
         self._landed: dict[str, asyncio.Event] = {}  # name -> its foreground write batch's event
         self._copies: Counter[str] = Counter()  # copies prepared and not completed, per name
         self._locks: dict[str, asyncio.Lock] = {}
+        # names being read -> tier -> how often placed there anew (a write or copy) since
+        # (`placements`: a read's "gone" is about the object it began reading, not a newer one)
+        self._placed: dict[str, Counter[int]] = {}
 
     # -- questions -----------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
@@ -77,6 +80,17 @@ class InFlight:
     def landing_write(self, name: str) -> bool:
         """A foreground write batch holding `name` has not finished."""
         return name in self._landed
+
+    def placements(self, name: str, tier: int) -> int:
+        """How often `name` was placed in `tier` anew while it has been read (a read's
+        mark: the same count at its end means the object it read is the one placed)."""
+        placed = self._placed.get(name)
+        return placed[tier] if placed is not None else 0
+
+    def placing(self, name: str, tier: int) -> None:
+        """`name` is placed in `tier` anew (a write or a copy is decided)."""
+        if name in self._reading:
+            self._placed.setdefault(name, Counter())[tier] += 1
 
     def busy(self, name: str) -> bool:
         """A write or a copy of `name` is under way."""
@@ -136,6 +150,7 @@ class InFlight:
     def prepare_copy(self, move: Copy) -> Ticket:
         """`move` is decided: until it lands, `name` in `move.dst` is read where its bytes are."""
         self._landing[(move.key, move.dst)] = self.source(move.key, move.src)
+        self.placing(move.key, move.dst)
         self._copies[move.key] += 1
         return Ticket("copy", [move.key], copy=move)
 
@@ -165,6 +180,7 @@ class InFlight:
                 self._reading[name] -= 1
                 if self._reading[name] <= 0:
                     del self._reading[name]
+                    self._placed.pop(name, None)
             return False
         if ticket.kind == "write":
             for name, n in ticket.pending.items():

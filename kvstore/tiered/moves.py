@@ -7,7 +7,9 @@ codec differs), cleanup after a name's last copy, and telling `on_gone` which na
 left every tier.  Also the bytes still on a tier's medium that its books no longer
 count (a demotion's source, a drop waiting for a copy) until that copy is done, and
 `room`: a write or promotion into a full tier waits for them to go, so the engine's
-demotions (which never wait), not the backend's own eviction, make the room.  Must not touch: placement
+demotions (which never wait), not the backend's own eviction, make the room; and the
+deletes under way per tier (`settled`): a write of a name waits for a delete of it
+decided earlier, so that delete cannot land on the new bytes.  Must not touch: placement
 rules (the engine decided the moves), tensor decoding (`Tier`), foreground writes and
 reads (`writes`, `reads`).
 """
@@ -44,6 +46,11 @@ class Mover:
         self.leaving: list[dict[str, int]] = [{} for _ in parts.tiers]
         self._left = asyncio.Event()  # set (and replaced) whenever some leave
         self.promoting: Counter[str] = Counter()  # promotions not yet done, per name
+        # per tier: names with a delete of ours under way (decided, not yet done) -> how many;
+        # a write or copy of such a name into that tier waits for them (`settled`), so a
+        # delete decided before the name was stored again cannot land after its bytes
+        self.deleting: list[Counter[str]] = [Counter() for _ in parts.tiers]
+        self._deleted = asyncio.Event()  # set (and replaced) whenever a delete is done
 
     async def carry_out(self, moves: Sequence[Move]) -> None:
         """Drops now (batched per tier); then promotions and demotions in the background.
@@ -68,10 +75,7 @@ class Mover:
                 else:
                     self.promoting[m.key] += 1
                 copies.append(p.inflight.prepare_copy(m))  # until it lands, read it where its bytes are
-        for j, keys in drops.items():
-            t0 = time.perf_counter()
-            await p.guard.delete(j, keys)
-            p.metrics.op_seconds.labels("delete", p.labels[j]).observe(time.perf_counter() - t0)
+        await self.delete_each(list(drops.items()), timed=True)
         for ticket in copies:
             self._spawn(self._copy(ticket))
         gone = []
@@ -120,6 +124,62 @@ class Mover:
             except asyncio.TimeoutError:
                 return
 
+    async def delete_each(
+        self, plan: Sequence[tuple[int, Sequence[str]]], *, guarded: bool = True, timed: bool = False
+    ) -> list[list[bool]]:
+        """Delete `names` from tier `j` for each (j, names) of `plan`, one tier after
+        another.  All of them are marked under way at once, before the first is sent (no
+        write of those names into those tiers starts meanwhile: `settled`)."""
+        p = self.p
+        for j, names in plan:
+            self.deleting[j].update(names)
+        out: list[list[bool]] = []
+        try:
+            for j, names in plan:
+                t0 = time.perf_counter()
+                if guarded:
+                    held = await p.guard.delete(j, names)
+                else:
+                    held = await p.tiers[j].delete_many(names)
+                if timed:
+                    p.metrics.op_seconds.labels("delete", p.labels[j]).observe(time.perf_counter() - t0)
+                out.append(held)
+                self._deleted_from(j, names)
+        finally:
+            for j, names in plan[len(out) :]:  # cancelled: no longer under way
+                self._deleted_from(j, names)
+        return out
+
+    async def delete(self, j: int, names: Sequence[str], *, guarded: bool = True) -> list[bool]:
+        """`delete_each` for one tier."""
+        return (await self.delete_each([(j, names)], guarded=guarded))[0]
+
+    def _deleted_from(self, j: int, names: Sequence[str]) -> None:
+        deleting = self.deleting[j]
+        for name in names:
+            deleting[name] -= 1
+            if deleting[name] <= 0:
+                del deleting[name]
+        self._deleted.set()
+        self._deleted = asyncio.Event()
+
+    async def settled(self, j: int, names: Sequence[str]) -> None:
+        """Wait (a bounded time, as `room`) until no delete of ours of `names` from tier
+        `j` is under way: one decided before these bytes were planned must not land after
+        them (the books would hold a name its medium lost: a counted miss later)."""
+        deleting = self.deleting[j]
+        if not any(name in deleting for name in names):
+            return
+        deadline = time.monotonic() + (self.p.guard.timeout or ROOM_WAIT_S)
+        while any(name in deleting for name in names):
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._deleted.wait(), wait)
+            except asyncio.TimeoutError:
+                return
+
     def _gone_from_media(self, name: str) -> None:
         """`name`'s last copy is done: no medium keeps bytes of it that the books let go."""
         for leaving in self.leaving:
@@ -159,8 +219,7 @@ class Mover:
                 # (a demotion's source, a promotion's source evicted meanwhile, drops that waited)
                 stale = [j for j, st in enumerate(p.placement.tiers) if m.key not in st.resident]
                 try:
-                    for j in stale:
-                        await p.tiers[j].delete_many([m.key])
+                    await self.delete_each([(j, [m.key]) for j in stale], guarded=False)
                 finally:
                     self._gone_from_media(m.key)
             p.update_gauges()
@@ -178,7 +237,7 @@ class Mover:
         p.metrics.moves.labels(m.kind, p.labels[dst]).inc()
         p.metrics.bytes_in.labels(p.labels[dst], namespace_of(name)).inc(m.size)
         if name not in p.placement.tiers[dst].resident:
-            await p.tiers[dst].delete_many([name])  # evicted while copying
+            await self.delete(dst, [name], guarded=False)  # evicted while copying
 
     async def _copy_bytes(self, name: str, src_i: int, dst_i: int) -> bool:
         p = self.p
@@ -203,6 +262,7 @@ class Mover:
                 except (FrameError, ValueError):
                     p.metrics.errors.labels("copy", p.labels[src_i]).inc()
                     return False
+            await self.settled(dst_i, [name])  # after a delete of the name there decided earlier
             ok = (await dst.put_frames([(name, parts)]))[0]  # every backend is done with the buffer here
         finally:
             for buf in taken:

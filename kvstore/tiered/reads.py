@@ -39,7 +39,7 @@ class Reader:
         """Tensors for `names` (None = miss), from the highest tier holding each."""
         p = self.p
         result: list[torch.Tensor | None] = [None] * len(names)
-        groups: dict[int, list[tuple[int, int]]] = {}  # source tier -> [(index, placed tier)]
+        groups: dict[int, list[tuple[int, int, int]]] = {}  # source tier -> [(index, placed tier, mark)]
         unknown: list[int] = []
         reading: list[str] = []
         for i, name in enumerate(names):
@@ -48,7 +48,7 @@ class Reader:
                 if p.discover and self.lookup.discoverable(name):
                     unknown.append(i)
                 continue
-            groups.setdefault(p.inflight.source(name, j), []).append((i, j))
+            groups.setdefault(p.inflight.source(name, j), []).append((i, j, p.inflight.placements(name, j)))
             reading.append(name)
         served: list[bool] = [False] * len(names)
         moves: list[Move] = []
@@ -79,7 +79,7 @@ class Reader:
     async def _read_group(
         self,
         src: int,
-        group: list[tuple[int, int]],
+        group: list[tuple[int, int, int]],
         names: Sequence[str],
         out: Sequence[Out] | None,
         result: list[torch.Tensor | None],
@@ -87,8 +87,8 @@ class Reader:
     ) -> None:
         p = self.p
         tier = p.tiers[src]
-        sub = [names[i] for i, _ in group]
-        sub_out = [out[i] for i, _ in group] if out is not None else None
+        sub = [names[i] for i, _, _ in group]
+        sub_out = [out[i] for i, _, _ in group] if out is not None else None
         corrupt0 = tier.counters.corrupt
         t0 = time.perf_counter()
         got = await self.read_tier(src, sub, sub_out)
@@ -96,7 +96,7 @@ class Reader:
         bad = tier.counters.corrupt - corrupt0
         if bad:
             p.metrics.quarantines.labels(p.labels[src]).inc(bad)
-        for (i, placed), (tensor, status, _) in zip(group, got):
+        for (i, placed, mark), (tensor, status, _) in zip(group, got):
             name = names[i]
             at = src
             target = [out[i]] if out is not None else None
@@ -117,8 +117,11 @@ class Reader:
                 continue  # still stored: the caller did not take it
             if tensor is None:
                 # the engine believed it held: the object is gone (evicted by the backend,
-                # maybe for another process's write) or was corrupt; a counted miss
-                p.lost(placed, [name])
+                # maybe for another process's write) or was corrupt; a counted miss.  Unless
+                # the name was deleted and placed in that tier anew while this read was under
+                # way: the newer object's bytes are not the ones found gone
+                if p.inflight.placements(name, placed) == mark:
+                    p.lost(placed, [name])
                 continue
             result[i] = tensor
             served[i] = True

@@ -215,8 +215,7 @@ class TieredStore:
         await self.mover.carry_out(moves)
         if unknown:
             asked = [names[i] for i in unknown]
-            for j in range(len(self.tiers)):
-                held = await self.guard.delete(j, asked)
+            for held in await self.mover.delete_each([(j, asked) for j in range(len(self.tiers))]):
                 for i, h in zip(unknown, held):
                     existed[i] = existed[i] or h
         self.parts.update_gauges()

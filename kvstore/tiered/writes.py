@@ -121,6 +121,7 @@ class Writer:
         writes, moves = self._shortest_way(steps)
         for _, w in writes:
             p.inflight.add_write(ticket, w.key)
+            p.inflight.placing(w.key, w.dst)
         return ticket, writes, moves
 
     def _ancestors(self, name: str) -> set[str]:
@@ -216,6 +217,9 @@ class Writer:
             encoded.append(True)
             payload.append((w.key, parts))
         if payload:
+            # after the deletes of these names from tier j decided before this write (a drop
+            # or delete of an earlier copy of the name): else one could land on these bytes
+            await self.mover.settled(j, [name for name, _ in payload])
             await self.mover.room(j)  # demotions out of a full tier first: the backend need not evict
         t0 = time.perf_counter()
         written = iter(
@@ -238,7 +242,7 @@ class Writer:
                 # evicted by a later chunk of this batch before it landed: a demotion
                 # (waiting for this write) has copied it on, or it was dropped
                 if not p.inflight.copying(name):  # else the name's last copy cleans up
-                    await p.guard.delete(j, [name])
+                    await self.mover.delete(j, [name])
                 results[i] = p.placement.where(name) is not None
             else:
                 results[i] = True

@@ -11,7 +11,7 @@ from kvstore.backends.memory import MemoryBackend
 from kvstore.namespaces import NamespaceRule
 from kvstore.tier import Tier
 from kvstore.tiered import TieredStore, TierSpec
-from tests.support.stores import FakeClock, GatedMemoryBackend
+from tests.support.stores import FakeClock, GatedMemoryBackend, HeldMemoryBackend
 
 N = 64  # float32 elements per chunk
 
@@ -307,6 +307,53 @@ async def test_a_batch_larger_than_the_hot_tier_goes_on_below_it_and_is_never_lo
     ok = await store.put_many(items, chained=True)
     assert ok == [True] * 4 + [False] * 2
     assert await store.contains_many([n for n, _ in items]) == ok
+    await store.close()
+
+
+async def _books_match(store: TieredStore, backend: MemoryBackend) -> bool:
+    await store.drain()
+    return set(store.placement.tiers[0].resident) == {info.name async for info in backend.list("")}
+
+
+async def test_a_delete_decided_before_a_name_is_stored_again_does_not_land_on_the_new_bytes() -> None:
+    """delete_many(X) whose backend delete is slow, then put_many(X) again: the old delete
+    must not remove the new object (the books would promise X and every read miss)."""
+    backend = HeldMemoryBackend()
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    await store.put_many([(name(1), chunk(1))])
+    backend.deletes.clear()
+    deleting = asyncio.ensure_future(store.delete_many([name(1)]))
+    await asyncio.sleep(0.01)
+    writing = asyncio.ensure_future(store.put_many([(name(1), chunk(2))]))
+    await asyncio.sleep(0.01)
+    backend.deletes.set()
+    await deleting
+    assert await writing == [True]
+    assert await _books_match(store, backend)
+    got = await store.get_many([name(1)])
+    assert got[0] is not None and torch.equal(got[0], chunk(2))
+    await store.close()
+
+
+async def test_a_read_that_found_the_old_object_gone_keeps_the_new_one() -> None:
+    """A read finds X gone (deleted meanwhile), and X is stored again before the read
+    answers: the read's "gone" is about the old object; the new one stays in the books."""
+    backend = HeldMemoryBackend()
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    await store.put_many([(name(1), chunk(1))])
+    backend.reads_in.clear()
+    backend.reads_out.clear()
+    reading = asyncio.ensure_future(store.get_many([name(1)]))
+    await asyncio.sleep(0.01)
+    await store.delete_many([name(1)])
+    backend.reads_in.set()
+    await asyncio.sleep(0.01)
+    assert await store.put_many([(name(1), chunk(2))]) == [True]
+    backend.reads_out.set()
+    await reading
+    assert await _books_match(store, backend)
+    got = await store.get_many([name(1)])
+    assert got[0] is not None and torch.equal(got[0], chunk(2))
     await store.close()
 
 

@@ -1,11 +1,11 @@
-"""Helpers for TieredStore tests: a memory backend whose writes wait on a gate, a fake clock."""
+"""Helpers for TieredStore tests: memory backends whose writes, or deletes and reads, wait on gates; a fake clock."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 
-from kvstore.backends.base import Value
+from kvstore.backends.base import Alloc, Value
 from kvstore.backends.memory import MemoryBackend
 
 
@@ -25,6 +25,29 @@ class GatedMemoryBackend(MemoryBackend):
         finally:
             self.waiting -= 1
         return await super().put_many(items)
+
+
+class HeldMemoryBackend(MemoryBackend):
+    """A private mem:// backend whose deletes wait for `deletes`, and whose reads wait for
+    `reads_in` before reading and `reads_out` before answering (all set: nothing held)."""
+
+    def __init__(self) -> None:
+        super().__init__("mem://")
+        self.deletes = asyncio.Event()
+        self.reads_in = asyncio.Event()
+        self.reads_out = asyncio.Event()
+        for gate in (self.deletes, self.reads_in, self.reads_out):
+            gate.set()
+
+    async def delete_many(self, names: Sequence[str]) -> list[bool]:
+        await self.deletes.wait()
+        return await super().delete_many(names)
+
+    async def get_many(self, names: Sequence[str], alloc: Alloc | None = None) -> list[memoryview | None]:
+        await self.reads_in.wait()
+        got = await super().get_many(names, alloc)
+        await self.reads_out.wait()
+        return got
 
 
 class FakeClock:
