@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -332,6 +333,41 @@ async def test_a_delete_decided_before_a_name_is_stored_again_does_not_land_on_t
     assert await _books_match(store, backend)
     got = await store.get_many([name(1)])
     assert got[0] is not None and torch.equal(got[0], chunk(2))
+    await store.close()
+
+
+async def test_a_slow_delete_from_every_tier_still_lands_before_the_name_is_written_again() -> None:
+    """Two tiers (the second write-through), deletes that take nearly the tier deadline:
+    a put of the deleted name waits for the deletes in both tiers (they run at once, not
+    one tier after the other), so both media keep the new object."""
+
+    class SlowDeletes(MemoryBackend):
+        slow = False
+
+        async def delete_many(self, names: Sequence[str]) -> list[bool]:
+            if self.slow:
+                await asyncio.sleep(0.15)
+            return await super().delete_many(names)
+
+    backends = [SlowDeletes("mem://"), SlowDeletes("mem://")]
+    store = TieredStore(
+        [
+            TierSpec(Tier(backends[0]), capacity=1 << 20),
+            TierSpec(Tier(backends[1]), capacity=1 << 20, write="through"),
+        ],
+        tier_timeout=0.25,  # one tier's delete fits it, two in a row do not
+    )
+    assert await store.put_many([(name(1), chunk(1))]) == [True]
+    for b in backends:
+        b.slow = True
+    deleting = asyncio.ensure_future(store.delete_many([name(1)]))
+    await asyncio.sleep(0.01)
+    assert await store.put_many([(name(1), chunk(2))]) == [True]
+    await deleting
+    await store.drain()
+    for j, b in enumerate(backends):
+        assert name(1) in store.placement.tiers[j].resident
+        assert {info.name async for info in b.list("")} == {name(1)}, f"tier {j} lost the new object"
     await store.close()
 
 
