@@ -156,6 +156,7 @@ class Reader:
                     continue
                 if self.lookup.discoverable(name):  # nobody stored it meanwhile
                     moves.extend(p.placement.adopt(name, j, size, p.inflight))
+                    p.inflight.placing(name, j)  # (a read of an older object there must not drop it)
                     if p.placement.where(name) is not None and name not in p.book:
                         p.book.add(name, size, now)
                     p.counters.discovered += 1
@@ -173,4 +174,5 @@ class Reader:
                 for (name, size), h in zip(adopted, held):
                     if h and p.placement.where(name) is not None and not p.inflight.copying(name):
                         moves.extend(p.placement.adopt(name, k, size, p.inflight))
+                        p.inflight.placing(name, k)
             todo = still
