@@ -7,8 +7,9 @@ succeeded, as vLLM's ``kv_offload`` manager does with ``prepare_store`` /
 ``complete_store``.  From the live tickets follow the store's guarantees:
 
 * a name being written is invisible (`writing`) until its write completes;
-* a name being read, or pinned, is protected: ``name in inflight`` is the engine's
-  `protected` container, so no victim is chosen from it;
+* a name being read, being written, or pinned is protected: ``name in inflight`` is the
+  engine's `protected` container, so no victim is chosen from it (a concurrent write
+  does not push out another's chunks before they have even landed);
 * a name placed in a tier by a copy that has not landed is read where its bytes are
   (`source`); copies of one name run one at a time, in order, after the foreground
   write of that name has landed (`turn`);
@@ -60,8 +61,9 @@ class InFlight:
 
     # -- questions -----------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
-        """Protected from eviction: being read, or pinned (and the pin has not expired)."""
-        if name in self._reading:
+        """Protected from eviction: being read or written, or pinned (and the pin has not
+        expired)."""
+        if name in self._reading or name in self._writing:
             return True
         until = self._pins.get(name) if isinstance(name, str) else None
         return until is not None and until > self._clock()

@@ -311,6 +311,30 @@ async def test_a_batch_larger_than_the_hot_tier_goes_on_below_it_and_is_never_lo
     await store.close()
 
 
+@pytest.mark.parametrize("policy", ["chain", "lru", "reuse"])
+async def test_a_concurrent_write_does_not_push_out_another_writes_chunks_before_they_land(policy: str) -> None:
+    """Two store tasks of fresh unchained chunks (MP-mode keys) into a tier with room for
+    only part of both: the second makes room with older, landed chunks, not with the
+    first's chunks still on their way to the medium, so both tasks succeed.  (Before,
+    `chain` at a cold start ranked the first task's chunks lowest: that task failed.)"""
+    size = await frame_size()
+    backend = GatedMemoryBackend()
+    store = TieredStore([TierSpec(Tier(backend), capacity=8 * size, policy=policy)])
+    for i in range(4):
+        assert await store.put_many([(name(i), chunk(i))]) == [True]
+    backend.gate.clear()
+    first = asyncio.ensure_future(store.put_many([(name(10 + i), chunk(10 + i)) for i in range(2)]))
+    await asyncio.sleep(0.01)
+    second = asyncio.ensure_future(store.put_many([(name(20 + i), chunk(20 + i)) for i in range(4)]))
+    await asyncio.sleep(0.01)
+    backend.gate.set()
+    assert await first == [True, True]
+    assert await second == [True] * 4
+    got = await store.get_many([name(10), name(11)] + [name(20 + i) for i in range(4)])
+    assert all(g is not None for g in got)
+    await store.close()
+
+
 async def _books_match(store: TieredStore, backend: MemoryBackend) -> bool:
     await store.drain()
     return set(store.placement.tiers[0].resident) == {info.name async for info in backend.list("")}
