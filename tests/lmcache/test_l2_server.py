@@ -249,3 +249,24 @@ def test_a_full_bounded_tier_still_stores_each_new_prompt_whole(tmp_path: Path) 
             assert hit == 4 * CHUNK, f"prompt {p}: {hit // CHUNK} of 4 chunks served from the full tier"
             assert bytes_equal(got, kv[:, :, :hit])
     assert "failed for keys" not in log.read_text()
+
+
+def test_back_to_back_prompts_into_a_full_tier_all_store(tmp_path: Path) -> None:
+    """Three prompts of 4 fresh chunks stored back to back (their L2 store tasks run at
+    the same time) into a disk tier with room for ~11 chunks: no store task fails (none
+    makes room with another's chunks before they land), and the newest prompt is a full
+    hit with L1 cleared (which older chunk made room is the policy's choice)."""
+    disk = tmp_path / "disk"
+    log = tmp_path / "server.log"
+    spec = kvstore_adapter([f"file://{disk}?capacity=64MiB&fsync=false"])
+    prompts = [tokens(4 * CHUNK, seed=200 + p) for p in range(3)]
+    kvs = [random_kv(4 * CHUNK, LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=200 + p) for p in range(3)]
+    with MPServer([spec], chunk_size=CHUNK, l1_size_gb=0.2, log_path=log) as server, client(server) as c:
+        for toks, kv in zip(prompts, kvs):
+            assert c.store(toks, kv) == 4 * CHUNK
+        assert c.wait_stored(timeout=60)
+        c.clear_l1()
+        hit, got = c.retrieve(prompts[2])
+        assert hit == 4 * CHUNK, f"the newest prompt: {hit // CHUNK} of 4 chunks"
+        assert bytes_equal(got, kvs[2][:, :, :hit])
+    assert "failed for keys" not in log.read_text()
