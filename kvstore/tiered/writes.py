@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.keys import InvalidKeyError, check_object_name
@@ -29,26 +29,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
-
-
-class _Prefix(Container[str]):
-    """`name` and the chunks before it in its prefix chain, as far as the books know;
-    walked on the first question (only a namespace at its quota asks)."""
-
-    __slots__ = ("_meta", "_name", "_names")
-
-    def __init__(self, meta: Mapping[str, ChunkMeta], name: str) -> None:
-        self._meta, self._name = meta, name
-        self._names: set[str] | None = None
-
-    def __contains__(self, key: object) -> bool:
-        if self._names is None:
-            self._names = set()
-            name: str | None = self._name
-            while name is not None and name not in self._names:
-                self._names.add(name)
-                name = self._meta.get(name, NO_META).parent
-        return key in self._names
 
 
 class Writer:
@@ -107,7 +87,7 @@ class Writer:
         placed = WriteBatch()  # the names planned so far: none makes room for a later one
         keep = AnyOf(protected, placed)
         if chained and parent is not None:  # nor does the prefix the batch continues (quotas)
-            keep = AnyOf(keep, _Prefix(p.placement.meta, parent))
+            keep = AnyOf(keep, self._ancestors(parent))
         steps: list[tuple[int, Write] | Move] = []  # writes (item, Write) and moves, in plan order
         prev_meta = p.placement.meta.get(parent, NO_META) if parent is not None else NO_META
         prev = parent
@@ -143,6 +123,16 @@ class Writer:
             p.inflight.add_write(ticket, w.key)
             p.inflight.placing(w.key, w.dst)
         return ticket, writes, moves
+
+    def _ancestors(self, name: str) -> set[str]:
+        """`name` and the chunks before it in its prefix chain, as far as the books know."""
+        meta = self.p.placement.meta
+        out: set[str] = set()
+        key: str | None = name
+        while key is not None and key not in out:
+            out.add(key)
+            key = meta.get(key, NO_META).parent
+        return out
 
     async def _frames(
         self, items: Sequence[tuple[str, torch.Tensor]], layout: str
