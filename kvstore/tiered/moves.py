@@ -207,7 +207,6 @@ class Mover:
         try:
             if m.kind == "promote" and m.key in p.placement.tiers[m.dst].resident:
                 await self.room(m.dst, promoting=True)  # into a full tier: after the demotions out of it
-            await self.settled(m.dst, [m.key])  # (again inside: here no copy slot is held while waiting)
             async with p.inflight.turn(ticket, self._sem) as src:
                 await self._copy_into(m, src)
         finally:
