@@ -264,14 +264,18 @@ class WTinyLFUPolicy(Policy):
         """TinyLFU admission: the newest window overflow stays only if it is more frequent
         than the main cache's victim.  When it loses but was stored by the write now
         making room (`own`) there is no victim: that write is declined instead, so a
-        prompt keeps its first chunks.  A pinned or read newcomer is passed over."""
+        prompt keeps its first chunks.  A protected newcomer of another write (pinned,
+        read, being written) is passed over, and faces the test later."""
         vic = _first_unprotected(self.probation, protected)
         cand = None
-        while self._candidates:
-            k = next(reversed(self._candidates))
-            if k in self.probation and (k not in protected or k in own):
+        gone = []
+        for k in reversed(self._candidates):
+            if k not in self.probation:
+                gone.append(k)
+            elif k not in protected or k in own:
                 cand = k
-                break
+                break  # (a protected one, read or being written, stays a candidate for later)
+        for k in gone:
             self._candidates.pop(k)
         if vic is None:
             return _first_unprotected(self.protected, protected) or _first_unprotected(self.window, protected)

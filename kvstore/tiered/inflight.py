@@ -7,9 +7,10 @@ succeeded, as vLLM's ``kv_offload`` manager does with ``prepare_store`` /
 ``complete_store``.  From the live tickets follow the store's guarantees:
 
 * a name being written is invisible (`writing`) until its write completes;
-* a name being read, being written, or pinned is protected: ``name in inflight`` is the
-  engine's `protected` container, so no victim is chosen from it (a concurrent write
-  does not push out another's chunks before they have even landed);
+* a name being read, or pinned, or being written and landed nowhere yet, is protected:
+  ``name in inflight`` is the engine's `protected` container, so no victim is chosen
+  from it (a concurrent write does not push out another's chunks before they have
+  landed; once one tier has them, a slow write-through copy does not hold them there);
 * a name placed in a tier by a copy that has not landed is read where its bytes are
   (`source`); copies of one name run one at a time, in order, after the foreground
   write of that name has landed (`turn`);
@@ -49,6 +50,7 @@ class InFlight:
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._writing: Counter[str] = Counter()
+        self._unlanded: set[str] = set()  # being written, no write of it over yet
         self._reading: Counter[str] = Counter()
         self._pins: dict[str, float] = {}
         self._landing: dict[tuple[str, int], int] = {}  # (name, tier) -> tier its bytes are still in
@@ -61,9 +63,9 @@ class InFlight:
 
     # -- questions -----------------------------------------------------------------------
     def __contains__(self, name: object) -> bool:
-        """Protected from eviction: being read or written, or pinned (and the pin has not
-        expired)."""
-        if name in self._reading or name in self._writing:
+        """Protected from eviction: being read, being written and landed nowhere yet, or
+        pinned (and the pin has not expired)."""
+        if name in self._reading or name in self._unlanded:
             return True
         until = self._pins.get(name) if isinstance(name, str) else None
         return until is not None and until > self._clock()
@@ -136,6 +138,7 @@ class InFlight:
         assert ticket.kind == "write" and ticket.landed is not None
         ticket.pending[name] += 1
         self._writing[name] += 1
+        self._unlanded.add(name)
         self._landed[name] = ticket.landed
 
     def wrote(self, ticket: Ticket, name: str) -> None:
@@ -144,6 +147,7 @@ class InFlight:
         self._release_write(name)
 
     def _release_write(self, name: str) -> None:
+        self._unlanded.discard(name)
         self._writing[name] -= 1
         if self._writing[name] <= 0:
             del self._writing[name]

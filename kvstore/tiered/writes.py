@@ -54,12 +54,12 @@ class Writer:
         with p.changing():
             ticket, writes, moves = self._plan(items, frames, results, chained, parent, now)
 
-        await self.mover.carry_out(moves)
-        # the caller's data: written in the foreground, one batch per tier
         by_tier: dict[int, list[tuple[int, Write]]] = {}
         for i, w in writes:
             by_tier.setdefault(w.dst, []).append((i, w))
-        try:
+        try:  # (completing the ticket however this ends: else its names stay invisible)
+            await self.mover.carry_out(moves)
+            # the caller's data: written in the foreground, one batch per tier
             await asyncio.gather(
                 *(self._write_tier(j, b, items, frames, layout, results, ticket) for j, b in by_tier.items())
             )

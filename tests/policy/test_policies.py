@@ -367,3 +367,7 @@ def test_wtinylfu_passes_over_a_pinned_newcomer_and_declines_only_a_writes_own()
     batch = WriteBatch()
     got = [bool(pl.store(f"p{i}", 1, batch=batch)) for i in range(8)]
     assert got[0] and got == sorted(got, reverse=True), "a prefix of the write, then refusals"
+    # a newcomer passed over while protected still faces the frequency test afterwards
+    newest = next(reversed(pol._candidates))  # type: ignore[attr-defined]
+    assert pol.victim(protected={newest}) != newest
+    assert newest in pol._candidates  # type: ignore[attr-defined]

@@ -335,6 +335,49 @@ async def test_a_concurrent_write_does_not_push_out_another_writes_chunks_before
     await store.close()
 
 
+async def test_a_slow_write_through_tier_does_not_hold_landed_chunks_in_the_fast_one() -> None:
+    """A batch landed in the memory tier while its write-through copy is still on its
+    way: a second batch can make room with it there (protection lasts until a chunk has
+    landed somewhere, not until every tier has it)."""
+    size = await frame_size()
+    slow = GatedMemoryBackend()
+    store = TieredStore(
+        [
+            TierSpec(Tier(MemoryBackend("mem://")), capacity=8 * size, policy="lru"),
+            TierSpec(Tier(slow), capacity=1000 * size, policy="lru", write="through"),
+        ]
+    )
+    slow.gate.clear()
+    first = asyncio.ensure_future(store.put_many([(name(i), chunk(i)) for i in range(8)]))
+    await asyncio.sleep(0.02)
+    second = asyncio.ensure_future(store.put_many([(name(100 + i), chunk(i)) for i in range(4)]))
+    await asyncio.sleep(0.02)
+    assert all(name(100 + i) in store.placement.tiers[0].resident for i in range(4))
+    slow.gate.set()
+    assert await first == [True] * 8 and await second == [True] * 4
+    await store.close()
+
+
+async def test_a_put_cancelled_while_its_evictions_run_leaves_nothing_behind() -> None:
+    """The caller gives up on a put while the deletes that make its room are slow: its
+    names do not stay invisible or protected, and the tier takes later writes."""
+    size = await frame_size()
+    backend = HeldMemoryBackend()
+    store = TieredStore([TierSpec(Tier(backend), capacity=4 * size, policy="lru")])
+    for i in range(4):
+        await store.put_many([(name(i), chunk(i))])
+    backend.deletes.clear()
+    put = asyncio.ensure_future(store.put_many([(name(10), chunk(10)), (name(11), chunk(11))]))
+    await asyncio.sleep(0.02)
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    backend.deletes.set()
+    assert not store.inflight.writing(name(10)) and name(10) not in store.inflight
+    assert await store.put_many([(name(20 + i), chunk(i)) for i in range(4)]) == [True] * 4
+    await store.close()
+
+
 async def _books_match(store: TieredStore, backend: MemoryBackend) -> bool:
     await store.drain()
     return set(store.placement.tiers[0].resident) == {info.name async for info in backend.list("")}
