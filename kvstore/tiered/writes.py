@@ -239,7 +239,8 @@ class Writer:
                 continue
             p.inflight.wrote(ticket, name)
             if name not in p.placement.tiers[j].resident:
-                # evicted by a later chunk of this batch before it landed: a demotion
+                # left this tier before it landed (deleted or expired meanwhile, or, in a
+                # write-through tier, evicted once its other copy had landed): a demotion
                 # (waiting for this write) has copied it on, or it was dropped
                 if not p.inflight.copying(name):  # else the name's last copy cleans up
                     await self.mover.delete(j, [name])
