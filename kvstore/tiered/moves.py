@@ -20,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from kvstore.frame import FrameError
@@ -44,13 +44,12 @@ class Mover:
         self._sem: asyncio.Semaphore | None = None
         # per tier: names whose bytes stay on its medium after the books let them go -> bytes
         self.leaving: list[dict[str, int]] = [{} for _ in parts.tiers]
-        self._left = asyncio.Event()  # set (and replaced) whenever some leave
+        self._changed = asyncio.Event()  # set (and replaced) whenever bytes leave or a delete is done
         self.promoting: Counter[str] = Counter()  # promotions not yet done, per name
         # per tier: names with a delete of ours under way (decided, not yet done) -> how many;
         # a write or copy of such a name into that tier waits for them (`settled`), so a
         # delete decided before the name was stored again cannot land after its bytes
         self.deleting: list[Counter[str]] = [Counter() for _ in parts.tiers]
-        self._deleted = asyncio.Event()  # set (and replaced) whenever a delete is done
 
     async def carry_out(self, moves: Sequence[Move]) -> None:
         """Drops now (batched per tier); then promotions and demotions in the background.
@@ -109,20 +108,30 @@ class Mover:
         tier = p.placement.tiers[j]
         if not self.leaving[j] or p.tiers[j].backend.capacity is None:
             return  # nothing leaving, or no backend budget that could evict
-        deadline = time.monotonic() + (p.guard.timeout or ROOM_WAIT_S)
-        while True:
+
+        def fits() -> bool:
             leaving = sum(
                 n
                 for k, n in self.leaving[j].items()
                 if not p.inflight.landing_write(k) and not (promoting and k in self.promoting)
             )
+            return tier.used + leaving <= tier.capacity
+
+        await self._until(fits)
+
+    async def _until(self, ready: Callable[[], bool]) -> bool:
+        """Wait until `ready()` (asked again whenever bytes leave a tier or a delete is
+        over), at most the tier deadline (`ROOM_WAIT_S` without one); whether it is."""
+        deadline = time.monotonic() + (self.p.guard.timeout or ROOM_WAIT_S)
+        while not ready():
             wait = deadline - time.monotonic()
-            if tier.used + leaving <= tier.capacity or wait <= 0:
-                return
+            if wait <= 0:
+                return False
             try:
-                await asyncio.wait_for(self._left.wait(), wait)
+                await asyncio.wait_for(self._changed.wait(), wait)
             except asyncio.TimeoutError:
-                return
+                return ready()
+        return True
 
     async def delete_each(
         self, plan: Sequence[tuple[int, Sequence[str]]], *, guarded: bool = True, timed: bool = False
@@ -156,30 +165,19 @@ class Mover:
             deleting[name] -= 1
             if deleting[name] <= 0:
                 del deleting[name]
-        self._deleted.set()
-        self._deleted = asyncio.Event()
+        self._wake()
 
     async def settled(self, j: int, names: Sequence[str]) -> None:
         """Wait (a bounded time, as `room`) until no delete of ours of `names` from tier
         `j` is under way: one decided before these bytes were planned must not land after
         them (the books would hold a name its medium lost: a counted miss later)."""
         deleting = self.deleting[j]
-        if not any(name in deleting for name in names):
+        if await self._until(lambda: not any(name in deleting for name in names)):
             return
-        p = self.p
-        deadline = time.monotonic() + (p.guard.timeout or ROOM_WAIT_S)
-        while any(name in deleting for name in names):
-            wait = deadline - time.monotonic()
-            try:
-                if wait <= 0:
-                    raise asyncio.TimeoutError
-                await asyncio.wait_for(self._deleted.wait(), wait)
-            except asyncio.TimeoutError:
-                # a delete outlasting the tier's deadline: the write goes on (a store must not
-                # stall), counted, and if that delete lands after it the read is a counted miss
-                p.metrics.errors.labels("write after a slow delete", p.labels[j]).inc()
-                log.warning("kvstore: %s: a delete of a name being written again is still under way", p.labels[j])
-                return
+        # a delete outlasting the tier's deadline: the write goes on (a store must not stall),
+        # counted, and if that delete lands after it the read is a counted miss
+        self.p.metrics.errors.labels("write after a slow delete", self.p.labels[j]).inc()
+        log.warning("kvstore: %s: a delete of a name being written again is still under way", self.p.labels[j])
 
     def _gone_from_media(self, name: str) -> None:
         """`name`'s last copy is done: no medium keeps bytes of it that the books let go."""
@@ -188,8 +186,8 @@ class Mover:
         self._wake()
 
     def _wake(self) -> None:
-        self._left.set()
-        self._left = asyncio.Event()
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def drain(self) -> None:
         """Wait until every background copy has finished."""
