@@ -219,9 +219,8 @@ class Placement:
         moves: list[Move] = []
         top = self.tiers[0]
         # the data is read once: the promotion writes what the hit read
-        if top.policy.admit(key, size, meta) and self._place(0, key, size, meta, protected, moves):
+        if top.policy.admit(key, size, meta) and self._place(Copy("promote", key, size, i, 0), meta, protected, moves):
             top.counters.promotions_in += 1
-            moves.insert(0, Copy("promote", key, size, i, 0))
         return moves
 
     def store(
@@ -255,52 +254,43 @@ class Placement:
         for j, tier in enumerate(self.tiers):
             if j and tier.write != "through":
                 continue
-            if self._write(j, key, size, meta, protected, moves, batch) is False and j == 0:
+            if self._write(Write(key, size, j), meta, protected, moves, batch) is False and j == 0:
                 no_room = True
         if batch is not None:
             if no_room and self.where(key) is None:
                 # the top tier had no room and no write-through tier took it: the first
                 # write-back tier below that admits it and has room, as for a demotion
                 for k in range(1, len(self.tiers)):
-                    if self.tiers[k].write == "back" and self._write(k, key, size, meta, protected, moves, batch):
+                    if self.tiers[k].write == "back" and self._write(Write(key, size, k), meta, protected, moves, batch):
                         break
             if self.where(key) is not None:
                 batch.note(key, self.tiers)
         return moves
 
     def _write(
-        self,
-        j: int,
-        key: str,
-        size: int,
-        meta: ChunkMeta,
-        protected: Container[str],
-        moves: list[Move],
-        batch: WriteBatch | None,
+        self, w: Write, meta: ChunkMeta, protected: Container[str], moves: list[Move], batch: WriteBatch | None
     ) -> bool | None:
-        """Offer a write of `key` to tier `j`: None if its policy declines it, else whether
-        it was placed (a `Write` move, after the moves that made its room)."""
-        tier = self.tiers[j]
-        tier.policy.miss(key, meta)
-        if not tier.policy.admit(key, size, meta):
+        """Offer write `w` to its tier: None if the tier's policy declines it, else whether
+        it was placed."""
+        tier = self.tiers[w.dst]
+        tier.policy.miss(w.key, meta)
+        if not tier.policy.admit(w.key, w.size, meta):
             tier.counters.rejected += 1
             return None
-        at = len(moves)
-        if not self._place(j, key, size, meta, protected, moves, batch):
-            return False
-        moves.insert(at, Write(key, size, j))
-        return True
+        return self._place(w, meta, protected, moves, batch)
 
     def _place(
         self,
-        j: int,
-        key: str,
-        size: int,
+        move: Write | Copy,
         meta: ChunkMeta,
         protected: Container[str],
         moves: list[Move],
         batch: WriteBatch | None = None,
     ) -> bool:
+        """Make room for `move` in its destination tier and count it there: `moves` gets
+        what made the room, then `move` itself; False (nothing of it) if there is none."""
+        j, key, size = move.dst, move.key, move.size
+        at = len(moves)
         tier = self.tiers[j]
         if batch is None:
             victims, ok = tier.make_room(size, protected)
@@ -313,6 +303,7 @@ class Placement:
         if not ok:
             tier.counters.rejected += 1
             return False
+        moves.insert(at, move)
         tier.add(key, size, meta)
         if meta is not NO_META:
             self.meta[key] = meta
@@ -336,12 +327,11 @@ class Placement:
             if nxt < len(self.tiers):
                 below = self.tiers[nxt]
                 below.policy.miss(key, meta)
-                if below.policy.admit(key, size, meta):
-                    at = len(moves)
-                    if self._place(nxt, key, size, meta, protected, moves, batch):
-                        below.counters.demotions_in += 1
-                        moves.insert(at, Copy("demote", key, size, j, nxt))
-                        return
+                if below.policy.admit(key, size, meta) and self._place(
+                    Copy("demote", key, size, j, nxt), meta, protected, moves, batch
+                ):
+                    below.counters.demotions_in += 1
+                    return
             self.meta.pop(key, None)
         moves.append(Drop(key, size, j))
 
