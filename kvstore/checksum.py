@@ -41,6 +41,7 @@ ACCUMULATORS = 4  # vector accumulators folded in parallel: the kernel needs n >
 MIN_FAST = 1024  # below this the package's call is cheaper than folding
 NT_MIN = 8 << 20  # `copy_crc32c` streams past the caches from this size (aligned destination)
 PREAD_BLOCK = 256 << 10  # `pread_crc32c` hashes each block while it is in L2
+PWRITE_BLOCK = 1 << 20  # `pwrite_crc32c` hashes each block, then writes it out of cache
 _MASK = 0xFFFFFFFF
 
 Buffer = bytes | bytearray | memoryview
@@ -195,6 +196,7 @@ declare i32 @llvm.x86.sse42.crc32.32.8(i32, i8)
 declare void @llvm.memcpy.p0.p0.i64(ptr, ptr, i64, i1)
 declare void @llvm.x86.sse.sfence()
 declare i64 @pread(i32, ptr, i64, i64)
+declare i64 @pwrite(i32, ptr, i64, i64)
 declare ptr @mmap(ptr, i64, i32, i32, i32, i64)
 declare i32 @munmap(ptr, i64)
 declare i32 @mincore(ptr, i64, ptr)
@@ -474,6 +476,58 @@ finish:
   store i32 %crc, ptr %crcp, align 4
   ret i64 %got
 }
+; bytes written (all of them), or -errno; *%crcp continues over them.  Each block is
+; hashed and then written, so the write copies it out of cache, not memory.
+define i64 @kvs_pwrite_crc32c(i32 %fd, ptr %src, i64 %n, i64 %offset, i64 %block, ptr %crcp) nounwind {
+entry:
+  %crc0 = load i32, ptr %crcp, align 4
+  br label %loop
+loop:
+  %done = phi i64 [0, %entry], [%done.next, %wrote], [%done, %retry]
+  %crc = phi i32 [%crc0, %entry], [%crc.w, %wrote], [%crc.w, %retry]
+  %hashed = phi i64 [0, %entry], [%hashed.w, %wrote], [%hashed.w, %retry]
+  %left = sub i64 %n, %done
+  %more = icmp sgt i64 %left, 0
+  br i1 %more, label %hash, label %finish
+hash:
+  %small = icmp slt i64 %left, %block
+  %want = select i1 %small, i64 %left, i64 %block
+  %p = getelementptr i8, ptr %src, i64 %done
+  %end = add i64 %done, %want
+  %fresh = icmp slt i64 %hashed, %end
+  br i1 %fresh, label %fold, label %write
+fold:
+  %hp = getelementptr i8, ptr %src, i64 %hashed
+  %hn = sub i64 %end, %hashed
+  %crc.f = call i32 @kvs_crc32c(i32 %crc, ptr %hp, i64 %hn)
+  br label %write
+write:
+  %crc.w = phi i32 [%crc, %hash], [%crc.f, %fold]
+  %hashed.w = phi i64 [%hashed, %hash], [%end, %fold]
+  %pos = add i64 %offset, %done
+  %r = call i64 @pwrite(i32 %fd, ptr %p, i64 %want, i64 %pos)
+  %ok = icmp sgt i64 %r, 0
+  br i1 %ok, label %wrote, label %error
+wrote:
+  %done.next = add i64 %done, %r
+  br label %loop
+error:
+  %errp = call ptr @__errno_location()
+  %errno = load i32, ptr %errp, align 4
+  %zero = icmp eq i64 %r, 0
+  %errno.z = select i1 %zero, i32 5, i32 %errno
+  %eintr = icmp eq i32 %errno.z, 4
+  br i1 %eintr, label %retry, label %fail
+retry:
+  br label %loop
+fail:
+  %neg = sub i32 0, %errno.z
+  %neg64 = sext i32 %neg to i64
+  ret i64 %neg64
+finish:
+  store i32 %crc, ptr %crcp, align 4
+  ret i64 %done
+}
 """.replace("MIN_BULK", str(64 * ACCUMULATORS)).replace("NT_MIN", str(NT_MIN))
 
 
@@ -503,6 +557,9 @@ class _Kernels:
         self.copy = ctypes.CFUNCTYPE(u32, u32, ptr, ptr, u64)(addr("kvs_copy_crc32c"))
         self.pread = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, i64, ctypes.POINTER(u32))(
             addr("kvs_pread_crc32c")
+        )
+        self.pwrite = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, i64, ctypes.POINTER(u32))(
+            addr("kvs_pwrite_crc32c")
         )
         self.mapped = ctypes.CFUNCTYPE(i64, i32, ptr, i64, i64, ptr, ctypes.POINTER(u32), i32)(
             addr("kvs_mapped_crc32c")
@@ -730,14 +787,42 @@ def pread_crc32c(fd: int, dst: Buffer, offset: int, value: int = 0) -> tuple[int
     return got, int(crc.value)
 
 
+def pwrite_crc32c(fd: int, src: Buffer, offset: int, value: int = 0, block: int = PWRITE_BLOCK) -> int:
+    """Write all of `src` to file `fd` at `offset` in blocks of `block` bytes, each hashed
+    just before it is written (so the write copies it from cache): the CRC32C of the
+    bytes written, continued from `value`.  One pass over `src` where a separate checksum
+    would take two; an I/O error raises `OSError`.  On the fast path the whole loop runs
+    outside the GIL."""
+    s = _bytes_view(src)
+    kernels = _kernels()
+    if kernels is None:
+        done = 0
+        while done < s.nbytes:
+            piece = s[done : done + block]
+            value = _crc32c_pkg.crc32c(piece, value)
+            while piece.nbytes:
+                n = os.pwrite(fd, piece, offset + done)
+                if n <= 0:
+                    raise OSError(5, f"pwrite wrote nothing at offset {offset + done}")
+                piece, done = piece[n:], done + n
+        return int(value)
+    crc = ctypes.c_uint32(value)
+    got = int(kernels.pwrite(fd, _address(s), s.nbytes, offset, block, ctypes.byref(crc)))
+    if got < 0:
+        raise OSError(-got, os.strerror(-got))
+    return int(crc.value)
+
+
 __all__ = [
     "MIN_FAST",
     "PREAD_BLOCK",
+    "PWRITE_BLOCK",
     "copy_crc32c",
     "crc32c",
     "crc32c_combine",
     "fast",
     "mapped_crc32c",
     "pread_crc32c",
+    "pwrite_crc32c",
     "warm_up",
 ]

@@ -29,14 +29,21 @@ while I/O goes on).  The header carries its own
 crc32, so a flipped bit in the header is caught before any of its fields is trusted.
 
 `encode_frame` returns the prefix+header separately from the payload, so a writer can
-hand both to a gather write and never copy the payload.  `decode_frame` returns a
+hand both to a gather write and never copy the payload.  With ``sealed=False`` it returns
+an `UnsealedFrame`: the header's place is held (same length, magic zeroed, so bytes
+written before the seal read back as "not a frame", never as a chunk), and the payload
+checksum is filled in later, either by a writer that hashes each block as it writes
+it (one pass over the payload instead of two: `kvstore.checksum.pwrite_crc32c`) or by
+`UnsealedFrame.ensure_sealed` (a separate pass) before any other writer sees the bytes.  `decode_frame` returns a
 memoryview of the payload inside the caller's buffer: zero copies.  Any defect raises a
 subclass of `FrameError`; nothing is ever unpickled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Sequence
@@ -55,6 +62,8 @@ MAX_HEADER_LEN = 1 << 20
 PAYLOAD_ALIGN = 64  # the payload's offset in a frame written by `encode_frame` is a multiple of this
 PAD_MAX = PAYLOAD_ALIGN + 5  # the most bytes the padding adds to a header (key, bin8 marker, zeros)
 CHECKSUM_ALGO = "crc32c"
+_UNSET_CSUM = 0xFFFFFFFF  # an unsealed frame's header holds this: the longest checksum's encoding
+_NO_MAGIC = b"\0\0\0\0"  # an unsealed frame's magic: written by mistake, it reads as not a frame
 
 
 class FrameError(Exception):
@@ -172,8 +181,11 @@ def encode_frame(
     key: str = "",
     meta: dict[str, Any] | None = None,
     ctime: float | None = None,
+    sealed: bool = True,
 ) -> list[memoryview]:
-    """Frame a payload given as parts; returns the parts to write, payload uncopied."""
+    """Frame a payload given as parts; returns the parts to write, payload uncopied.
+
+    ``sealed=False``: an `UnsealedFrame`, its checksum not computed yet (see there)."""
     views = [p if isinstance(p, memoryview) else memoryview(p) for p in payload_parts]
     views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
     header = FrameHeader(
@@ -182,14 +194,101 @@ def encode_frame(
         shape=tuple(int(d) for d in shape),
         layout=layout,
         plen=sum(v.nbytes for v in views),
-        csum=checksum(views),
+        csum=checksum(views) if sealed else _UNSET_CSUM,
         key=key,
         ctime=time.time() if ctime is None else ctime,
         meta=meta or {},
     )
     hbytes = _packed_header(header)
+    if not sealed:
+        return UnsealedFrame(header, bytearray(PREFIX_LEN + len(hbytes)), views)
     prefix = PREFIX.pack(MAGIC, VERSION, 0, 0, len(hbytes), zlib.crc32(hbytes))
     return [memoryview(prefix + hbytes), *views]
+
+
+class UnsealedFrame(list[memoryview]):
+    """A frame whose payload checksum is still to be computed: a list of parts like any
+    frame (``[prefix + header, *payload]``) whose first part holds zeros of the header's
+    final length until `seal` writes the header in place.
+
+    Exactly one party computes the checksum.  A writer that hashes the payload as it
+    writes it first takes the frame with `claim` (False: another party has it; call
+    `ensure_sealed`), then calls `seal` with the checksum of what it wrote, or `release`
+    if it failed.  Anyone else about to read the header calls `ensure_sealed` (blocking:
+    it waits for a claimant, or computes the checksum itself), on a worker thread.
+    """
+
+    def __init__(self, header: FrameHeader, head: bytearray, payload: list[memoryview]) -> None:
+        super().__init__([memoryview(head), *payload])
+        self.header = header
+        self._head = head
+        self._state = "open"  # "claimed" while one party computes the checksum, then "sealed"
+        self._cond = threading.Condition()
+
+    @property
+    def payload(self) -> list[memoryview]:
+        return self[1:]
+
+    @property
+    def head_len(self) -> int:
+        """Bytes of prefix and header: where the payload starts in the object."""
+        return len(self._head)
+
+    @property
+    def sealed(self) -> bool:
+        return self._state == "sealed"
+
+    def claim(self) -> bool:
+        """Take the checksum on: True once for the first caller while unsealed."""
+        with self._cond:
+            if self._state != "open":
+                return False
+            self._state = "claimed"
+            return True
+
+    def release(self) -> None:
+        """Give a claim back unsealed (the claimant's write failed)."""
+        with self._cond:
+            if self._state == "claimed":
+                self._state = "open"
+                self._cond.notify_all()
+
+    def seal(self, csum: int) -> memoryview:
+        """Write the header for payload checksum `csum` in place (by the claimant);
+        returns it (the first part)."""
+        header = dataclasses.replace(self.header, csum=csum)
+        hlen = len(self._head) - PREFIX_LEN
+        m = header.to_map()
+        m["pad"] = b""
+        short = hlen - len(msgpack.packb(m, use_bin_type=True))
+        m["pad"] = bytes(short)  # a checksum packs in at most the placeholder's bytes
+        hbytes = msgpack.packb(m, use_bin_type=True)
+        assert len(hbytes) == hlen, (len(hbytes), hlen)
+        with self._cond:
+            if self._state != "claimed":
+                raise RuntimeError(f"UnsealedFrame.seal by a party without the claim (state {self._state})")
+            self._head[PREFIX_LEN:] = hbytes
+            self._head[:PREFIX_LEN] = PREFIX.pack(MAGIC, VERSION, 0, 0, hlen, zlib.crc32(hbytes))
+            self.header = header
+            self._state = "sealed"
+            self._cond.notify_all()
+        return self[0]
+
+    def ensure_sealed(self) -> None:
+        """Return once the header is written: wait for a claimant, or claim and compute
+        the checksum here (a pass over the payload; releases the GIL: call it off the loop)."""
+        with self._cond:
+            while self._state == "claimed":
+                self._cond.wait()
+            if self._state == "sealed":
+                return
+            self._state = "claimed"
+        try:
+            csum = checksum(self.payload)
+        except BaseException:
+            self.release()
+            raise
+        self.seal(csum)
 
 
 def _packed_header(header: FrameHeader) -> bytes:

@@ -28,7 +28,7 @@ from kvstore.backends import Alloc, Backend, open_backend
 from kvstore.backends.base import Capabilities, redact_url
 from kvstore.buffers import BufferPool
 from kvstore.codec.base import CodecUnavailableError
-from kvstore.frame import Frame, FrameError, decode_frame, encode_frame
+from kvstore.frame import Frame, FrameError, UnsealedFrame, decode_frame, encode_frame
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.tier_stream import DECLINED, GONE, HIT, Out, ReadResult, read_streamed
 
@@ -117,17 +117,25 @@ class Tier:
         return self.backend.capabilities
 
     # -- writes --------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, name: str, layout: str = "raw") -> list[memoryview]:
-        """`tensor` as this tier's frame of object `name` (the parts a backend writes)."""
-        return self.codec.frame_parts(tensor, key=name, layout=layout)
+    def encode(self, tensor: torch.Tensor, name: str, layout: str = "raw", *, sealed: bool = True) -> list[memoryview]:
+        """`tensor` as this tier's frame of object `name` (the parts a backend writes);
+        ``sealed=False``: an `UnsealedFrame`, for `put_frames` only (which seals it, or
+        leaves that to a backend that hashes while it writes)."""
+        return self.codec.frame_parts(tensor, key=name, layout=layout, sealed=sealed)
 
-    async def encode_off_loop(self, tensor: torch.Tensor, name: str, layout: str = "raw") -> list[memoryview]:
+    async def encode_off_loop(
+        self, tensor: torch.Tensor, name: str, layout: str = "raw", *, sealed: bool = True
+    ) -> list[memoryview]:
         """`encode`, on a worker thread for a tensor of `OFFLOAD_BYTES` or more (the
         checksum and codecs release the GIL: the loop goes on, and several such calls
-        run on several cores); a small one at once, on the loop."""
+        run on several cores); a small one at once, on the loop, and always sealed; an
+        unsealed one on the loop too where framing reads none of its bytes
+        (`Codec.frames_in_place`: a hop would cost more than the framing)."""
         if tensor.nbytes < OFFLOAD_BYTES:
             return self.encode(tensor, name, layout)
-        return await asyncio.to_thread(self.encode, tensor, name, layout)
+        if not sealed and self.codec.frames_in_place(tensor):
+            return self.encode(tensor, name, layout, sealed=False)
+        return await asyncio.to_thread(partial(self.encode, tensor, name, layout, sealed=sealed))
 
     def same_codec(self, other: Tier) -> bool:
         """Whether frames `other` encodes are what this tier would encode."""
@@ -156,13 +164,20 @@ class Tier:
 
         async def put_large(i: int) -> None:
             name, tensor = items[i]
-            (ok[i],) = await self.put_frames([(name, await self.encode_off_loop(tensor, name, layout))])
+            parts = await self.encode_off_loop(tensor, name, layout, sealed=False)
+            (ok[i],) = await self.put_frames([(name, parts)])
 
         await asyncio.gather(*([put_small()] if small else []), *(put_large(i) for i in large))
         return ok
 
     async def put_frames(self, items: Sequence[tuple[str, Sequence[memoryview]]]) -> list[bool]:
-        """Store already-framed objects (e.g. copied by a migration)."""
+        """Store framed objects (e.g. copied by a migration).  An `UnsealedFrame` is sealed
+        first (its checksum computed, on worker threads, all at once) unless the backend
+        computes it while writing (`Capabilities.seals_frames`)."""
+        if not self.backend.capabilities.seals_frames:
+            unsealed = [p for _, p in items if isinstance(p, UnsealedFrame) and not p.sealed]
+            if unsealed:
+                await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in unsealed))
         ok = await self.backend.put_many(items)
         good = sum(ok)
         self.counters.put_ok += good

@@ -151,6 +151,9 @@ class Capabilities:
         so reading into pooled buffers gains nothing.
     ranged_reads: ``read_heads`` reads only the first bytes of an object.
     server_ttl: the server can expire objects by itself (a TTL option).
+    seals_frames: takes an `kvstore.frame.UnsealedFrame` as a value and computes its
+        checksum while it writes the payload (one pass over the bytes instead of two);
+        `Tier.put_frames` seals frames first for every other backend.
     enforces_capacity: takes a ``capacity`` URL option (bytes of its medium) and keeps
         the medium under it itself, evicting least recently used objects and telling
         `Backend.on_evict` which (see `kvstore.tier_options` for what capacity means).
@@ -163,6 +166,7 @@ class Capabilities:
     ranged_reads: bool = False
     server_ttl: bool = False
     enforces_capacity: bool = False
+    seals_frames: bool = False
 
 
 DEFAULT_MAX_OBJECT = 1 << 30

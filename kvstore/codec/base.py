@@ -73,8 +73,16 @@ class Codec(abc.ABC):
         self, payload: memoryview, header: FrameHeader, out: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
-    def frame_parts(self, tensor: torch.Tensor, *, key: str = "", layout: str = "raw") -> list[memoryview]:
-        """Encode and frame: the parts a backend writes (payload not copied)."""
+    def frames_in_place(self, tensor: torch.Tensor) -> bool:
+        """Whether encoding `tensor` reads none of its bytes (the payload is a view of its
+        memory): an unsealed frame of it then costs no pass over the data."""
+        return False
+
+    def frame_parts(
+        self, tensor: torch.Tensor, *, key: str = "", layout: str = "raw", sealed: bool = True
+    ) -> list[memoryview]:
+        """Encode and frame: the parts a backend writes (payload not copied); with
+        ``sealed=False`` an `kvstore.frame.UnsealedFrame` (checksum computed later)."""
         enc = self.encode_parts(tensor, layout=layout)
         return encode_frame(
             enc.parts,
@@ -84,6 +92,7 @@ class Codec(abc.ABC):
             layout=enc.layout,
             key=key,
             meta=enc.meta,
+            sealed=sealed,
         )
 
     def encode(self, tensor: torch.Tensor) -> bytes:

@@ -31,6 +31,9 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 class RawCodec(Codec):
     name = "raw"
 
+    def frames_in_place(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and tensor.is_contiguous()
+
     def encode_parts(self, tensor: torch.Tensor, *, layout: str = "raw") -> Encoded:
         return Encoded(
             parts=[tensor_bytes(tensor)],

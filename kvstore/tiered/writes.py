@@ -1,7 +1,8 @@
 """The write path of a TieredStore: the caller's data into the tiers the engine chose.
 
 Owns: `Writer`: framing each tensor once for the top tier (large ones on worker
-threads; again only for a tier whose codec differs), namespace quotas, asking the engine where each object goes (with
+threads, their checksums left to the tiers' writes; again only for a tier whose codec
+differs), namespace quotas, asking the engine where each object goes (with
 its place in a prefix chain), sending a name the same plan evicts again straight to
 where the plan leaves it, then writing one batch per tier in the foreground under
 the tier's guard (after the demotions out of a full tier have made room, see
@@ -139,8 +140,10 @@ class Writer:
     ) -> list[list[memoryview] | None]:
         """Each item framed for the top tier (None: an invalid name), large ones on worker
         threads, all at once (`Tier.encode_off_loop`): the event loop goes on serving
-        other reads and writes meanwhile, and a batch's checksums run on every core
-        instead of one after another on the loop's."""
+        other reads and writes meanwhile, and a batch's codecs run on every core instead
+        of one after another on the loop's.  Large frames are left unsealed: each tier's
+        `Tier.put_frames` computes the checksum, on worker threads, or a disk tier while
+        it writes the payload (one pass over it instead of two)."""
         top = self.p.tiers[0]
 
         async def frame(name: str, tensor: torch.Tensor) -> list[memoryview] | None:
@@ -149,7 +152,7 @@ class Writer:
             except InvalidKeyError:
                 log.warning("kvstore: refusing to store invalid object name %r", name)
                 return None
-            return await top.encode_off_loop(tensor, name, layout)
+            return await top.encode_off_loop(tensor, name, layout, sealed=False)
 
         return list(await asyncio.gather(*(frame(name, tensor) for name, tensor in items)))
 

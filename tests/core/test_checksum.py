@@ -99,6 +99,36 @@ def test_pread_crc32c_error_is_an_oserror() -> None:
         checksum.pread_crc32c(r, bytearray(4096), 0)
 
 
+@pytest.mark.parametrize("size", [0, 100, (1 << 20) - 1, (3 << 20) + 77])
+@pytest.mark.parametrize("block", [4096, 1 << 20])
+def test_pwrite_crc32c_writes_and_hashes_what_it_wrote(size: int, block: int) -> None:
+    data = random.Random(size).randbytes(size)
+    with tempfile.NamedTemporaryFile() as f:
+        fd = os.open(f.name, os.O_WRONLY)
+        try:
+            value = checksum.pwrite_crc32c(fd, data, 64, 5, block=block)
+        finally:
+            os.close(fd)
+        assert value == pkg.crc32c(data, 5)
+        on_disk = open(f.name, "rb").read()
+        assert on_disk[64:] == data and on_disk[:64] == bytes(64 if size else 0)
+
+
+def test_pwrite_crc32c_error_is_an_oserror() -> None:
+    r, w = os.pipe()
+    os.close(w)
+    os.close(r)
+    with pytest.raises(OSError):
+        checksum.pwrite_crc32c(w, b"x" * 8192, 0)
+    with tempfile.NamedTemporaryFile() as f:
+        fd = os.open(f.name, os.O_RDONLY)  # not open for writing: EBADF, not a silent short write
+        try:
+            with pytest.raises(OSError):
+                checksum.pwrite_crc32c(fd, b"x" * (2 << 20), 0)
+        finally:
+            os.close(fd)
+
+
 def test_frames_checked_with_the_fast_path_catch_a_flipped_bit() -> None:
     payload = bytearray(random.Random(3).randbytes(1 << 20))
     parts = encode_frame([payload], codec="raw", key="k")
@@ -119,6 +149,9 @@ def test_the_package_fallback_gives_the_same_values() -> None:
         "b = bytearray(len(d)); assert checksum.copy_crc32c(b, d) == crc32c.crc32c(d) and b == d\n"
         "f = tempfile.NamedTemporaryFile(); f.write(d); f.flush(); fd = os.open(f.name, os.O_RDONLY)\n"
         "b = bytearray(len(d) + 9); assert checksum.pread_crc32c(fd, b, 0) == (len(d), crc32c.crc32c(d))\n"
+        "g = tempfile.NamedTemporaryFile(); wd = os.open(g.name, os.O_WRONLY)\n"
+        "assert checksum.pwrite_crc32c(wd, d, 3, 1, block=4096) == crc32c.crc32c(d, 1)\n"
+        "assert open(g.name, 'rb').read() == bytes(3) + d\n"
         "print('ok')\n"
     )
     assert _in_fresh_process(code, crc32c_mode="package") == "ok"
@@ -150,6 +183,8 @@ def test_the_256_bit_kernels_give_the_same_values() -> None:
         "d = rng.randbytes(3 << 20)\n"
         "f = tempfile.NamedTemporaryFile(); f.write(d); f.flush(); fd = os.open(f.name, os.O_RDONLY)\n"
         "b = bytearray(len(d) + 9); assert checksum.pread_crc32c(fd, b, 0) == (len(d), crc32c.crc32c(d))\n"
+        "g = tempfile.NamedTemporaryFile(); wd = os.open(g.name, os.O_WRONLY)\n"
+        "assert checksum.pwrite_crc32c(wd, d, 0, 2) == crc32c.crc32c(d, 2) and open(g.name, 'rb').read() == d\n"
         "print('ok')\n"
     )
     said = _in_fresh_process(code, crc32c_mode="avx2")

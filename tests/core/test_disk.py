@@ -235,6 +235,41 @@ async def test_disk_full_is_a_counted_error(tmp_path: Path) -> None:
         subprocess.run(["umount", str(root)], check=False)
 
 
+async def test_an_unsealed_frame_is_hashed_as_it_is_written(tmp_path: Path) -> None:
+    """The disk tier computes an unsealed frame's checksum while it writes the payload:
+    the file is the frame a sealed encode writes, and the frame object is sealed too."""
+    from kvstore.frame import UnsealedFrame, decode_frame, encode_frame
+
+    be = DiskBackend(tmp_path, fsync=False)
+    payload = os.urandom((3 << 20) + 5)
+    f = encode_frame([payload[:1000], payload[1000:]], codec="raw", key="a/b", ctime=3.0, sealed=False)
+    assert isinstance(f, UnsealedFrame)
+    assert await be.put_many([("a/b", f)]) == [True]
+    assert f.sealed
+    stored = bytes(await be.get("a/b"))
+    assert stored == b"".join(encode_frame([payload], codec="raw", key="a/b", ctime=3.0))
+    assert bytes(decode_frame(stored, key="a/b").payload) == payload
+    # a second write of the same (now sealed) frame is a plain write of the same bytes
+    assert await be.put_many([("a/c", f)]) == [True]
+    assert bytes(await be.get("a/c")) == stored
+    await be.close()
+
+
+async def test_a_failed_sealing_write_leaves_the_frame_to_be_sealed_elsewhere(tmp_path: Path) -> None:
+    from kvstore.frame import UnsealedFrame, decode_frame, encode_frame
+
+    be = DiskBackend(tmp_path)
+    be.path_of("a/b").parent.write_text("a file where a shard directory should be")
+    f = encode_frame([b"p" * 70000], codec="raw", key="a/b", sealed=False)
+    assert isinstance(f, UnsealedFrame)
+    assert await be.put_many([("a/b", f)]) == [False]
+    assert not f.sealed and f.claim()  # released: the next writer (another tier) can seal it
+    f.release()
+    f.ensure_sealed()
+    assert bytes(decode_frame(b"".join(f), key="a/b").payload) == b"p" * 70000
+    await be.close()
+
+
 async def test_vanished_file_is_a_miss(tmp_path: Path) -> None:
     be = DiskBackend(tmp_path)
     await be.put("a/b", b"x")

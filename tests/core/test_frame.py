@@ -122,3 +122,64 @@ def test_frames_written_without_padding_still_read() -> None:
     blob = PREFIX.pack(MAGIC, VERSION, 0, 0, len(hbytes), zlib.crc32(hbytes)) + hbytes + payload
     frame = decode_frame(blob, key="old")
     assert bytes(frame.payload) == payload and frame.header == header
+
+
+@pytest.mark.parametrize("csum", [0, 5, 127, 200, 70000, 2**31 + 3, 0xFFFFFFFF])
+@pytest.mark.parametrize("key_len", [1, 40, 200])
+def test_an_unsealed_frame_seals_to_the_frame_a_sealed_encode_writes(csum: int, key_len: int) -> None:
+    """Whatever its checksum packs to, the sealed header has the placeholder's length (the
+    payload was written after it) and the payload stays aligned."""
+    from kvstore.frame import PAYLOAD_ALIGN, UnsealedFrame, read_header
+
+    key = "k" * key_len
+    f = encode_frame([b"payload"], codec="raw", key=key, ctime=1.5, sealed=False)
+    assert isinstance(f, UnsealedFrame) and not f.sealed
+    head_len = len(f[0])
+    assert f.claim() and not f.claim()
+    f.seal(csum)
+    assert f.sealed and len(f[0]) == head_len == f.head_len and head_len % PAYLOAD_ALIGN == 0
+    header, off = read_header(b"".join(f), key=key)
+    assert off == head_len and header.csum == csum and header.ctime == 1.5
+
+
+def test_an_unsealed_frame_reads_as_no_frame_until_sealed_then_as_the_sealed_encode() -> None:
+    from kvstore.frame import UnsealedFrame
+
+    payload = bytes(range(256)) * 300
+    f = encode_frame([payload], codec="raw", key="k", ctime=2.0, sealed=False)
+    assert isinstance(f, UnsealedFrame)
+    with pytest.raises(BadMagicError):  # written by mistake before its seal: a defect, never a chunk
+        decode_frame(b"".join(f), key="k")
+    f.ensure_sealed()
+    f.ensure_sealed()  # once sealed, a no-op
+    assert b"".join(f) == b"".join(encode_frame([payload], codec="raw", key="k", ctime=2.0))
+    assert bytes(decode_frame(b"".join(f), key="k").payload) == payload
+
+
+def test_ensure_sealed_waits_for_the_claimant_or_takes_over_from_one_that_gave_up() -> None:
+    import threading
+
+    from kvstore.frame import UnsealedFrame, checksum
+
+    payload = b"x" * 5000
+    f = encode_frame([payload], codec="raw", key="k", sealed=False)
+    assert isinstance(f, UnsealedFrame) and f.claim()
+    done = threading.Event()
+    waiter = threading.Thread(target=lambda: (f.ensure_sealed(), done.set()))
+    waiter.start()
+    assert not done.wait(0.05)  # the claimant has it: wait
+    f.seal(checksum([payload]))
+    assert done.wait(5)
+    waiter.join()
+
+    g = encode_frame([payload], codec="raw", key="k", sealed=False)
+    assert isinstance(g, UnsealedFrame) and g.claim()
+    done.clear()
+    waiter = threading.Thread(target=lambda: (g.ensure_sealed(), done.set()))
+    waiter.start()
+    g.release()  # the claimant's write failed: the waiter computes the checksum itself
+    assert done.wait(5)
+    waiter.join()
+    assert decode_frame(b"".join(g), key="k").header.csum == checksum([payload])
+    with pytest.raises(RuntimeError, match="without the claim"):
+        g.seal(1)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 
 from kvstore.backends.memory import MemoryBackend
+from kvstore.frame import UnsealedFrame
 from kvstore.namespaces import NamespaceRule
 from kvstore.tier import Tier
 from kvstore.tiered import TieredStore, TierSpec
@@ -516,25 +520,63 @@ def test_from_urls_reads_store_options_and_capacity_is_the_mediums(tmp_path) -> 
         TieredStore.from_urls(["mem://?policy=belady"])
 
 
-async def test_large_chunks_are_framed_off_the_event_loop_and_round_trip() -> None:
+async def test_no_pass_over_a_large_chunk_runs_on_the_event_loop() -> None:
+    """Framing a large contiguous tensor reads none of its bytes (on the loop, no hop);
+    its checksum, and the framing of a large tensor that must be copied, run on worker
+    threads; a small chunk is framed and sealed at once, on the loop."""
     import threading
 
     store = TieredStore.from_urls(["mem://"])
     top = store.tiers[0]
-    framed_on: list[str] = []
+    framed_on: list[tuple[str, bool]] = []
     plain = top.encode
+    sealed_on: list[str] = []
+    seal = UnsealedFrame.ensure_sealed
 
-    def encode(tensor: torch.Tensor, name: str, layout: str = "raw") -> list[memoryview]:
-        framed_on.append(threading.current_thread().name)
-        return plain(tensor, name, layout)
+    def encode(tensor: torch.Tensor, name: str, layout: str = "raw", **kw: Any) -> list[memoryview]:
+        framed_on.append((threading.current_thread().name, tensor.is_contiguous()))
+        return plain(tensor, name, layout, **kw)
+
+    def ensure_sealed(frame: UnsealedFrame) -> None:
+        sealed_on.append(threading.current_thread().name)
+        seal(frame)
 
     top.encode = encode  # type: ignore[method-assign]
     big = [torch.arange(1 << 19, dtype=torch.float32) + i for i in range(3)]  # 2 MiB each
+    strided = (torch.arange(1 << 20, dtype=torch.float32) + 7)[::2]  # 2 MiB, not contiguous
     small = torch.arange(16, dtype=torch.float32)
-    items = [(name(i), t) for i, t in enumerate(big)] + [(name(9), small)]
-    assert await store.put_many(items) == [True] * 4
+    items = [(name(i), t) for i, t in enumerate(big)] + [(name(8), strided), (name(9), small)]
+    with mock.patch.object(UnsealedFrame, "ensure_sealed", ensure_sealed):
+        assert await store.put_many(items) == [True] * 5
     loop_thread = threading.current_thread().name
-    assert framed_on.count(loop_thread) == 1  # only the small one on the loop
+    assert [on for on, contiguous in framed_on if not contiguous] != [loop_thread]  # copied off the loop
+    assert sum(on == loop_thread for on, _ in framed_on) == 4  # three in place, and the small one
+    assert len(sealed_on) == 4 and loop_thread not in sealed_on  # every large one's checksum: off it
+    got = await store.get_many([n for n, _ in items])
+    assert all(g is not None and torch.equal(g, t) for g, (_, t) in zip(got, items))
+    await store.close()
+
+
+@pytest.mark.parametrize("disk_first", [True, False])
+async def test_large_chunks_written_to_a_disk_and_a_memory_tier_at_once_read_back_from_both(
+    tmp_path: Path, disk_first: bool
+) -> None:
+    """A large frame leaves the writer unsealed: the disk tier hashes it as it writes, the
+    memory tier (write-through beside it) has it sealed first; whichever gets there
+    first, both hold the same valid frame."""
+    from kvstore.backends.disk import DiskBackend
+
+    disk = TierSpec(Tier(DiskBackend(tmp_path, fsync=False)), capacity=1 << 30, policy="lru")
+    mem = TierSpec(Tier(MemoryBackend("mem://")), capacity=1 << 30, policy="lru")
+    top, below = (disk, mem) if disk_first else (mem, disk)
+    below.write = "through"
+    store = TieredStore([top, below])
+    big = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)) for i in range(6)]  # 4 MiB
+    items = [(name(i), t) for i, t in enumerate(big)]
+    assert await store.put_many(items) == [True] * 6
+    for tier in store.tiers:
+        frames = await tier.get_frames([n for n, _ in items])
+        assert all(f is not None and bytes(f.payload) == t.numpy().tobytes() for f, (_, t) in zip(frames, items))
     got = await store.get_many([n for n, _ in items])
     assert all(g is not None and torch.equal(g, t) for g, (_, t) in zip(got, items))
     await store.close()
