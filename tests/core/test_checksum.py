@@ -13,6 +13,7 @@ import random
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import crc32c as pkg
 import pytest
@@ -110,7 +111,7 @@ def test_pwrite_crc32c_writes_and_hashes_what_it_wrote(size: int, block: int) ->
         finally:
             os.close(fd)
         assert value == pkg.crc32c(data, 5)
-        on_disk = open(f.name, "rb").read()
+        on_disk = Path(f.name).read_bytes()
         assert on_disk[64:] == data and on_disk[:64] == bytes(64 if size else 0)
 
 
