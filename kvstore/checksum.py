@@ -41,7 +41,11 @@ ACCUMULATORS = 4  # vector accumulators folded in parallel: the kernel needs n >
 MIN_FAST = 1024  # below this the package's call is cheaper than folding
 NT_MIN = 8 << 20  # `copy_crc32c` streams past the caches from this size (aligned destination)
 PREAD_BLOCK = 256 << 10  # `pread_crc32c` hashes each block while it is in L2
-PWRITE_BLOCK = 1 << 20  # `pwrite_crc32c` hashes each block, then writes it out of cache
+# `pwrite_crc32c` hashes each block, then writes it out of cache; blocks end at multiples
+# of this in the file: 2 MiB writes let the page cache hold the file in 2 MiB folios, which
+# the disk tier's mapped reads map cheaply (1 MiB blocks wrote ~8% faster here and made
+# those reads ~17% slower)
+PWRITE_BLOCK = 2 << 20
 _MASK = 0xFFFFFFFF
 
 Buffer = bytes | bytearray | memoryview
@@ -788,17 +792,19 @@ def pread_crc32c(fd: int, dst: Buffer, offset: int, value: int = 0) -> tuple[int
 
 
 def pwrite_crc32c(fd: int, src: Buffer, offset: int, value: int = 0, block: int = PWRITE_BLOCK) -> int:
-    """Write all of `src` to file `fd` at `offset` in blocks of `block` bytes, each hashed
-    just before it is written (so the write copies it from cache): the CRC32C of the
-    bytes written, continued from `value`.  One pass over `src` where a separate checksum
+    """Write all of `src` to file `fd` at `offset` in blocks of `block` bytes (the first one
+    shorter where `offset` is not a multiple of `block`, so the rest start at multiples of
+    it), each hashed just before it is written (so the write copies it from cache): the
+    CRC32C of the bytes written, continued from `value`.  One pass over `src` where a separate checksum
     would take two; an I/O error raises `OSError`.  On the fast path the whole loop runs
     outside the GIL."""
     s = _bytes_view(src)
+    head = min(-offset % block, s.nbytes)  # then whole blocks at multiples of `block` in the file
     kernels = _kernels()
     if kernels is None:
         done = 0
         while done < s.nbytes:
-            piece = s[done : done + block]
+            piece = s[done : (done + block if done else head or block)]
             value = _crc32c_pkg.crc32c(piece, value)
             while piece.nbytes:
                 n = os.pwrite(fd, piece, offset + done)
@@ -807,9 +813,11 @@ def pwrite_crc32c(fd: int, src: Buffer, offset: int, value: int = 0, block: int 
                 piece, done = piece[n:], done + n
         return int(value)
     crc = ctypes.c_uint32(value)
-    got = int(kernels.pwrite(fd, _address(s), s.nbytes, offset, block, ctypes.byref(crc)))
-    if got < 0:
-        raise OSError(-got, os.strerror(-got))
+    for start, n in ((0, head), (head, s.nbytes - head)):
+        if n:
+            got = int(kernels.pwrite(fd, _address(s) + start, n, offset + start, block, ctypes.byref(crc)))
+            if got < 0:
+                raise OSError(-got, os.strerror(-got))
     return int(crc.value)
 
 
