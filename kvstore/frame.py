@@ -63,7 +63,6 @@ PAYLOAD_ALIGN = 64  # the payload's offset in a frame written by `encode_frame` 
 PAD_MAX = PAYLOAD_ALIGN + 5  # the most bytes the padding adds to a header (key, bin8 marker, zeros)
 CHECKSUM_ALGO = "crc32c"
 _UNSET_CSUM = 0xFFFFFFFF  # an unsealed frame's header holds this: the longest checksum's encoding
-_NO_MAGIC = b"\0\0\0\0"  # an unsealed frame's magic: written by mistake, it reads as not a frame
 
 
 class FrameError(Exception):
@@ -284,11 +283,10 @@ class UnsealedFrame(list[memoryview]):
                 return
             self._state = "claimed"
         try:
-            csum = checksum(self.payload)
+            self.seal(checksum(self.payload))
         except BaseException:
             self.release()
             raise
-        self.seal(csum)
 
 
 def _packed_header(header: FrameHeader) -> bytes:

@@ -15,7 +15,7 @@ Layout::
 * A put reserves its bytes in the index first (evicting least recently used objects
   nobody is writing, across processes), then writes to a temp file beside its target
   (preallocated, one ``writev`` of header and payload; for a frame still unsealed, see
-  `kvstore.frame.UnsealedFrame`, the payload in 1 MiB blocks each hashed just before it
+  `kvstore.frame.UnsealedFrame`, the payload in 2 MiB blocks each hashed just before it
   is written, then the header that seals it: one pass over cold memory instead of
   two, `kvstore.checksum.pwrite_crc32c`), fsyncs it (``fsync=false`` to
   skip) and renames it over its real name, so a crash never leaves a torn object under
@@ -163,7 +163,10 @@ def _write_sealing(fd: int, frame: UnsealedFrame) -> None:
     head = frame.seal(csum)
     done = 0
     while done < head.nbytes:
-        done += os.pwrite(fd, head[done:], done)
+        n = os.pwrite(fd, head[done:], done)
+        if n <= 0:
+            raise OSError(errno.EIO, "pwrite of a frame header wrote nothing")
+        done += n
 
 
 @aiofiles.os.wrap

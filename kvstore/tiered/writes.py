@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvstore.frame import UnsealedFrame
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import namespace_of
 from kvstore.policy import NO_META, AnyOf, ChunkMeta, Copy, Drop, Move, Write, WriteBatch
@@ -59,6 +60,7 @@ class Writer:
         for i, w in writes:
             by_tier.setdefault(w.dst, []).append((i, w))
         try:  # (completing the ticket however this ends: else its names stay invisible)
+            await self._seal_shared(frames, writes)
             await self.mover.carry_out(moves)
             # the caller's data: written in the foreground, one batch per tier
             await asyncio.gather(
@@ -124,6 +126,22 @@ class Writer:
             p.inflight.add_write(ticket, w.key)
             p.inflight.placing(w.key, w.dst)
         return ticket, writes, moves
+
+    async def _seal_shared(
+        self, frames: list[list[memoryview] | None], writes: list[tuple[int, Write]]
+    ) -> None:
+        """Seal now the unsealed frames this plan writes into more than one tier (on worker
+        threads, all at once): else the tier whose write claims one first (a disk tier
+        hashing as it writes) would hold the others' writes of it until it is done."""
+        seen: set[int] = set()
+        shared: dict[int, UnsealedFrame] = {}
+        for i, _ in writes:
+            f = frames[i]
+            if i in seen and isinstance(f, UnsealedFrame) and not f.sealed:
+                shared[i] = f
+            seen.add(i)
+        if shared:
+            await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in shared.values()))
 
     def _ancestors(self, name: str) -> set[str]:
         """`name` and the chunks before it in its prefix chain, as far as the books know."""

@@ -241,7 +241,7 @@ async def test_an_unsealed_frame_is_hashed_as_it_is_written(tmp_path: Path) -> N
     from kvstore.frame import UnsealedFrame, decode_frame, encode_frame
 
     be = DiskBackend(tmp_path, fsync=False)
-    payload = os.urandom((3 << 20) + 5)
+    payload = bytes(range(251)) * 12534  # 3 MiB; its CRC32C packs in 5 bytes, as the placeholder
     f = encode_frame([payload[:1000], payload[1000:]], codec="raw", key="a/b", ctime=3.0, sealed=False)
     assert isinstance(f, UnsealedFrame)
     assert await be.put_many([("a/b", f)]) == [True]
@@ -267,6 +267,36 @@ async def test_a_failed_sealing_write_leaves_the_frame_to_be_sealed_elsewhere(tm
     f.release()
     f.ensure_sealed()
     assert bytes(decode_frame(b"".join(f), key="a/b").payload) == b"p" * 70000
+    await be.close()
+
+
+async def test_a_sealing_write_that_fails_midway_releases_the_frame_and_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import kvstore.backends.disk as disk
+    from kvstore.frame import UnsealedFrame, decode_frame, encode_frame
+
+    real = disk.pwrite_crc32c
+    calls: list[int] = []
+
+    def full(fd: int, src: memoryview, offset: int, value: int = 0) -> int:
+        calls.append(offset)
+        real(fd, src[: 1 << 20], offset, value)  # some of the payload lands, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk, "pwrite_crc32c", full)
+    be = DiskBackend(tmp_path, fsync=False)
+    f = encode_frame([b"q" * (3 << 20)], codec="raw", key="a/b", sealed=False)
+    assert isinstance(f, UnsealedFrame)
+    assert await be.put_many([("a/b", f)]) == [False]
+    assert calls and be.counters.put_errors == 1
+    assert await be.contains_many(["a/b"]) == [False]
+    assert [p for p in (tmp_path / "objects").rglob("*") if p.is_file()] == []  # no temp file left
+    assert not f.sealed
+    f.ensure_sealed()  # released: another party seals it
+    assert bytes(decode_frame(b"".join(f), key="a/b").payload) == b"q" * (3 << 20)
     await be.close()
 
 

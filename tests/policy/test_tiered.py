@@ -561,9 +561,9 @@ async def test_no_pass_over_a_large_chunk_runs_on_the_event_loop() -> None:
 async def test_large_chunks_written_to_a_disk_and_a_memory_tier_at_once_read_back_from_both(
     tmp_path: Path, disk_first: bool
 ) -> None:
-    """A large frame leaves the writer unsealed: the disk tier hashes it as it writes, the
-    memory tier (write-through beside it) has it sealed first; whichever gets there
-    first, both hold the same valid frame."""
+    """A large frame leaves the writer unsealed; one written into two tiers (write-through)
+    is sealed before either write starts, so neither tier waits on the other's write, and
+    both hold the same valid frame."""
     from kvstore.backends.disk import DiskBackend
 
     disk = TierSpec(Tier(DiskBackend(tmp_path, fsync=False)), capacity=1 << 30, policy="lru")
@@ -573,7 +573,16 @@ async def test_large_chunks_written_to_a_disk_and_a_memory_tier_at_once_read_bac
     store = TieredStore([top, below])
     big = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(i)) for i in range(6)]  # 4 MiB
     items = [(name(i), t) for i, t in enumerate(big)]
-    assert await store.put_many(items) == [True] * 6
+    arrived: list[bool] = []  # whether each frame reached a tier's put_frames sealed
+    put_frames = Tier.put_frames
+
+    async def recording(tier: Tier, batch: Sequence[tuple[str, Sequence[memoryview]]]) -> list[bool]:
+        arrived.extend(not isinstance(f, UnsealedFrame) or f.sealed for _, f in batch)
+        return await put_frames(tier, batch)
+
+    with mock.patch.object(Tier, "put_frames", recording):
+        assert await store.put_many(items) == [True] * 6
+    assert arrived == [True] * 12  # sealed before either write started
     for tier in store.tiers:
         frames = await tier.get_frames([n for n, _ in items])
         assert all(f is not None and bytes(f.payload) == t.numpy().tobytes() for f, (_, t) in zip(frames, items))
