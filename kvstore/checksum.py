@@ -27,6 +27,7 @@ every length and alignment against the ``crc32c`` package.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import threading
@@ -799,26 +800,33 @@ def pwrite_crc32c(fd: int, src: Buffer, offset: int, value: int = 0, block: int 
     would take two; an I/O error raises `OSError`.  On the fast path the whole loop runs
     outside the GIL."""
     s = _bytes_view(src)
-    head = min(-offset % block, s.nbytes)  # then whole blocks at multiples of `block` in the file
+    head = min(-offset % block, s.nbytes)  # up to the first multiple of `block` in the file
     kernels = _kernels()
-    if kernels is None:
-        done = 0
-        while done < s.nbytes:
-            piece = s[done : (done + block if done else head or block)]
-            value = _crc32c_pkg.crc32c(piece, value)
-            while piece.nbytes:
-                n = os.pwrite(fd, piece, offset + done)
-                if n <= 0:
-                    raise OSError(5, f"pwrite wrote nothing at offset {offset + done}")
-                piece, done = piece[n:], done + n
-        return int(value)
     crc = ctypes.c_uint32(value)
     for start, n in ((0, head), (head, s.nbytes - head)):
-        if n:
-            got = int(kernels.pwrite(fd, _address(s) + start, n, offset + start, block, ctypes.byref(crc)))
-            if got < 0:
-                raise OSError(-got, os.strerror(-got))
+        if not n:
+            continue
+        if kernels is None:
+            crc.value = _pwrite_blocks(fd, s[start : start + n], offset + start, crc.value, block)
+            continue
+        got = int(kernels.pwrite(fd, _address(s) + start, n, offset + start, block, ctypes.byref(crc)))
+        if got < 0:
+            raise OSError(-got, os.strerror(-got))
     return int(crc.value)
+
+
+def _pwrite_blocks(fd: int, src: memoryview, offset: int, value: int, block: int) -> int:
+    """`pwrite_crc32c`'s loop with the crc32c package (no kernels)."""
+    for start in range(0, src.nbytes, block):
+        piece = src[start : start + block]
+        value = _crc32c_pkg.crc32c(piece, value)
+        at = offset + start
+        while piece.nbytes:
+            n = os.pwrite(fd, piece, at)
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwrite wrote nothing at offset {at}")
+            piece, at = piece[n:], at + n
+    return int(value)
 
 
 __all__ = [

@@ -34,8 +34,9 @@ an `UnsealedFrame`: the header's place is held (same length, magic zeroed, so by
 written before the seal read back as "not a frame", never as a chunk), and the payload
 checksum is filled in later, either by a writer that hashes each block as it writes
 it (one pass over the payload instead of two: `kvstore.checksum.pwrite_crc32c`) or by
-`UnsealedFrame.ensure_sealed` (a separate pass) before any other writer sees the bytes.  `decode_frame` returns a
-memoryview of the payload inside the caller's buffer: zero copies.  Any defect raises a
+`UnsealedFrame.ensure_sealed` (a separate pass) before any other writer sees the bytes.
+`decode_frame` returns a memoryview of the payload inside the caller's buffer: zero
+copies.  Any defect raises a
 subclass of `FrameError`; nothing is ever unpickled.
 """
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -77,6 +77,14 @@ def transcode(
     return encode_frame(
         enc.parts, codec=target.name, dtype=enc.dtype, shape=enc.shape, layout=enc.layout, key=name, meta=meta
     )
+
+
+async def seal_frames(frames: Iterable[Sequence[memoryview] | None]) -> None:
+    """Seal those of `frames` that are `UnsealedFrame`s not sealed yet, on worker threads,
+    all at once (each a checksum pass that releases the GIL)."""
+    unsealed = [f for f in frames if isinstance(f, UnsealedFrame) and not f.sealed]
+    if unsealed:
+        await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in unsealed))
 
 
 async def check_frame(raw: memoryview, name: str) -> Frame:
@@ -175,9 +183,7 @@ class Tier:
         first (its checksum computed, on worker threads, all at once) unless the backend
         computes it while writing (`Capabilities.seals_frames`)."""
         if not self.backend.capabilities.seals_frames:
-            unsealed = [p for _, p in items if isinstance(p, UnsealedFrame) and not p.sealed]
-            if unsealed:
-                await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in unsealed))
+            await seal_frames(parts for _, parts in items)
         ok = await self.backend.put_many(items)
         good = sum(ok)
         self.counters.put_ok += good

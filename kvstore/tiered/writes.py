@@ -16,13 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvstore.frame import UnsealedFrame
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import namespace_of
 from kvstore.policy import NO_META, AnyOf, ChunkMeta, Copy, Drop, Move, Write, WriteBatch
+from kvstore.tier import seal_frames
 from kvstore.tiered.inflight import Ticket
 from kvstore.tiered.moves import Mover
 from kvstore.tiered.parts import Parts
@@ -133,15 +134,8 @@ class Writer:
         """Seal now the unsealed frames this plan writes into more than one tier (on worker
         threads, all at once): else the tier whose write claims one first (a disk tier
         hashing as it writes) would hold the others' writes of it until it is done."""
-        seen: set[int] = set()
-        shared: dict[int, UnsealedFrame] = {}
-        for i, _ in writes:
-            f = frames[i]
-            if i in seen and isinstance(f, UnsealedFrame) and not f.sealed:
-                shared[i] = f
-            seen.add(i)
-        if shared:
-            await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in shared.values()))
+        times = Counter(i for i, _ in writes)
+        await seal_frames(frames[i] for i, n in times.items() if n > 1)
 
     def _ancestors(self, name: str) -> set[str]:
         """`name` and the chunks before it in its prefix chain, as far as the books know."""
