@@ -63,9 +63,10 @@ from kvstore.backends.base import (
     parts_len,
     redact_url,
 )
-from kvstore.backends.redis_stream import Address, Manifest, RespStreams
+from kvstore.backends.redis_stream import Address, Manifest, PatchRefused, RespStreams
 from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.backends.stream import StreamSink, stream_from_buffer
+from kvstore.frame import UnsealedFrame
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.options import option_float, option_int, option_size
 
@@ -215,6 +216,9 @@ class RedisBackend(Backend):
         super().__init__(url)
         self.client = client
         self.streams = streams
+        if streams is not None:  # big values go out hashed as they are sent
+            self.capabilities = dataclasses.replace(type(self).capabilities, seals_frames=True)
+        self._patching = streams is not None  # off once the server refuses the publishing script
         self.options = options or RedisOptions()
         self.max_object_bytes = self.options.max_object
         self.cluster = isinstance(client, RedisCluster)
@@ -364,6 +368,7 @@ class RedisBackend(Backend):
         sizes = [0] * len(items)
         small: list[tuple[int, str, Any, int | None]] = []
         jobs: list[Awaitable[None]] = []
+        to_seal: list[UnsealedFrame] = []  # unsealed frames that go out whole
         for i, (name, value) in enumerate(items):
             try:
                 check_object_name(name)
@@ -377,6 +382,11 @@ class RedisBackend(Backend):
                 sizes[i] = 0
                 continue
             ttl = layout.ttl_ms_for(name, self._ttls, self.options.ttl)
+            frame = value if isinstance(value, UnsealedFrame) and not value.sealed else None
+            big = self.options.pipeline_max < size <= self.options.part_size
+            if frame is not None and not (big and self.streams is not None):
+                to_seal.append(frame)
+                frame = None
             if size > self.options.part_size:
                 jobs.append(self._put_multi(i, name, parts, size, ttl, ok))
                 continue
@@ -385,9 +395,11 @@ class RedisBackend(Backend):
             if size <= self.options.pipeline_max:
                 small.append((i, name, data, ttl))
             else:
-                jobs.append(self._put_big(i, name, data, ttl, ok))
+                jobs.append(self._put_big(i, name, data, ttl, ok, frame))
         if small:
             jobs.append(self._put_small(small, ok))
+        if to_seal:  # checksums on worker threads, all at once (each releases the GIL)
+            await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in to_seal))
         await self._run("put", jobs, sum(sizes))
         for i in range(len(items)):
             if ok[i]:
@@ -410,14 +422,59 @@ class RedisBackend(Backend):
         if any(isinstance(r, Exception) for r in replies):
             raise next(r for r in replies if isinstance(r, Exception))
 
-    async def _put_big(self, i: int, name: str, data: Any, ttl: int | None, ok: list[bool]) -> None:
+    async def _put_big(
+        self, i: int, name: str, data: Any, ttl: int | None, ok: list[bool], frame: UnsealedFrame | None = None
+    ) -> None:
+        """One big value; `frame` (the value, unsealed) is hashed as it is sent where it
+        can be, else sealed first."""
         key = layout.data_key(self.options.prefix, name)
         async with self._big:
             if self.streams is not None:  # the parts go to the socket as they are
                 parts = data.parts if isinstance(data, Gathered) else [data]
-                ok[i] = await self.streams.stream_set(key.encode("utf-8", "surrogateescape"), parts, ttl)
+                bkey = key.encode("utf-8", "surrogateescape")
+                if frame is not None:
+                    sent = await self._put_sealing(bkey, name, frame, parts, ttl)
+                    if sent is not None:
+                        ok[i] = sent
+                        return
+                    await asyncio.to_thread(frame.ensure_sealed)
+                ok[i] = await self.streams.stream_set(bkey, parts, ttl)
             else:
                 ok[i] = bool(await self.client.set(key, data, px=ttl))
+
+    async def _put_sealing(
+        self, key: bytes, name: str, frame: UnsealedFrame, parts: list[memoryview], ttl: int | None
+    ) -> bool | None:
+        """Send `frame` with its payload hashed block by block as it goes out (one pass
+        over it instead of two; `RespStreams.stream_set_patched`), sealed and published
+        under `key` by the server at the end.  None: it must go sealed instead (another
+        party computes its checksum, or the server runs no scripts for this client)."""
+        assert self.streams is not None
+        if not self._patching or not frame.claim():
+            return None
+        tmp = layout.temp_key(self.options.prefix, name, os.urandom(8).hex())
+        tmp_px = int(1000 * max(60.0, 2 * self.options.deadline(parts_len(parts))))
+        try:
+            if await self.streams.stream_set_patched(
+                key, tmp.encode("utf-8", "surrogateescape"), parts, ttl, tmp_px, frame.seal
+            ):
+                return True
+            outcome: bool | None = False
+        except PatchRefused as exc:
+            self._patching = False
+            log.warning(
+                "redis %s: %s; big values are checksummed before they are sent from now on",
+                redact_url(self.url),
+                exc,
+            )
+            outcome = None
+        finally:
+            frame.release()  # a write cut short before the seal leaves the checksum to others
+        try:
+            await self.client.unlink(tmp)  # whatever of it the server holds
+        except FAULTS:
+            pass  # it expires by itself
+        return outcome
 
     async def _put_multi(
         self, i: int, name: str, parts: list[memoryview], size: int, ttl: int | None, ok: list[bool]

@@ -10,6 +10,9 @@ Layout of object ``NAME`` under key prefix ``P`` (default ``kv:``):
                      so a GET moves exactly the caller's bytes), or else a manifest.
 * ``P{NAME}:parts``  a hash holding the parts of a multi-part object, field
                      ``<generation hex>:<index>``.
+* ``P{NAME}:tmp:<hex>``  a big value while it is sent hashed as it goes, before its
+                     header is written and it is renamed to ``P{NAME}`` (it expires
+                     by itself if the writer dies first).
 
 The ``{NAME}`` hash tag puts both keys in one Cluster slot.  A manifest is
 `MANIFEST_LEN` bytes: magic, part count, part size, total length, an 8-byte random
@@ -48,6 +51,11 @@ def data_key(prefix: str, name: str) -> str:
 
 def parts_key(prefix: str, name: str) -> str:
     return f"{prefix}{{{name}}}{PARTS_SUFFIX}"
+
+
+def temp_key(prefix: str, name: str, token: str) -> str:
+    """Where a big value of `name` lands before it is complete (`token`: unique)."""
+    return f"{prefix}{{{name}}}:tmp:{token}"
 
 
 def part_field(generation: bytes, index: int) -> str:

@@ -6,8 +6,11 @@ bulk reply with ``loop.sock_recv_into`` into the buffer a `StreamSink` names, ha
 each received block to the sink while it is still in cache; and that send ``SET`` with
 the value's parts straight from the caller's memory.  redis-py (with hiredis) copies a
 big reply three times before the caller sees it, and joins a big value before sending
-it; these copy once and not at all.  Must
-not touch: key layout (the backend passes keys), frames (the sink), redis-py's pool.
+it; these copy once and not at all.  A value whose first bytes depend on a checksum of
+the rest (an unsealed frame) is sent once, each block hashed just before it goes out,
+under a temporary key, then patched and renamed into place in one server-side script
+(`stream_set_patched`).  Must not touch: key layout (the backend passes keys), frames
+(the sink; the caller's ``patch``), redis-py's pool.
 
 Plain TCP and unix sockets only, no Cluster: `RedisBackend` keeps redis-py's path for
 TLS and Cluster.  A socket whose reply was not read to the end (an error, a deadline,
@@ -19,14 +22,28 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.backends.stream import StreamSink
+from kvstore.checksum import crc32c
 
 LINE_MAX = 64  # "$<length>\r\n" and short error lines fit
 DRAIN_BLOCK = 1 << 20
+HASH_BLOCK = 1 << 20  # hashed just before it is sent: it and the kernel's copy of it stay in L2
+
+#: Publishes a value sent under a temporary key: only a temporary key of the length sent
+#: (a SET refused for memory, or a key evicted since, leaves none), its first bytes
+#: overwritten in place (the value is not shared: SETRANGE copies nothing else), its
+#: expiry set, then renamed over the object: readers see the old value or the new one.
+PATCH_SCRIPT = b"""\
+if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[2]) then return 0 end
+redis.call('SETRANGE', KEYS[1], 0, ARGV[1])
+if ARGV[3] == '' then redis.call('PERSIST', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
+redis.call('RENAME', KEYS[1], KEYS[2])
+return 1
+"""
 
 
 class RespError(ConnectionError):
@@ -48,6 +65,16 @@ def pack(*args: bytes) -> bytes:
     for a in args:
         out.append(b"$%d\r\n%s\r\n" % (len(a), a))
     return b"".join(out)
+
+
+#: Errors that refuse one write, not scripts as such (memory, a busy or loading server,
+#: a replica): that put fails, the next one tries again.
+TRANSIENT = (b"-OOM", b"-BUSY", b"-LOADING", b"-READONLY", b"-MASTERDOWN", b"-TRYAGAIN", b"-NOREPLICAS")
+
+
+class PatchRefused(RespError):
+    """The server would not run the publishing script (no scripting, or not allowed to
+    this user): send values whole instead.  The socket is fine."""
 
 
 class Manifest(bytes):
@@ -141,6 +168,59 @@ class RespStreams:
             else:
                 sock.close()
 
+    async def stream_set_patched(
+        self,
+        key: bytes,
+        tmp: bytes,
+        parts: Sequence[memoryview],
+        px: int | None,
+        tmp_px: int,
+        patch: Callable[[int], memoryview],
+    ) -> bool:
+        """SET `key` to the concatenation of `parts` whose first part is final only once
+        the others are sent: each block of the others is hashed (CRC32C, continued across
+        parts) just before it goes out, while it is in cache, and ``patch(crc)`` then
+        returns the first part's final bytes (the same length).  The value goes under
+        `tmp` (expiring after `tmp_px` ms: a write cut short leaves nothing for long), and
+        `PATCH_SCRIPT` writes the first part over it and renames it to `key` with expiry
+        ``PX`` `px` (none when None), atomically.  False when Redis refuses this write
+        (e.g. out of memory: `tmp` may be left, to expire); `PatchRefused` when the
+        server runs no scripts for this client (or answers the script with an error
+        not in `TRANSIENT`)."""
+        loop = asyncio.get_running_loop()
+        n = sum(p.nbytes for p in parts)
+        head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(tmp), tmp, n)
+        tail = b"\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(tmp_px)), tmp_px)
+        sock = await self._take()
+        whole = False
+        try:
+            await loop.sock_sendall(sock, head)
+            await loop.sock_sendall(sock, parts[0])
+            crc = 0
+            for part in parts[1:]:
+                for start in range(0, part.nbytes, HASH_BLOCK):
+                    block = part[start : start + HASH_BLOCK]
+                    crc = crc32c(block, crc)
+                    await loop.sock_sendall(sock, block)
+            first = patch(crc)
+            if first.nbytes != parts[0].nbytes:
+                raise ValueError(f"patch gave {first.nbytes} bytes for a first part of {parts[0].nbytes}")
+            expiry = b"" if px is None else str(px).encode()
+            await loop.sock_sendall(
+                sock, tail + pack(b"EVAL", PATCH_SCRIPT, b"2", tmp, key, bytes(first), str(n).encode(), expiry)
+            )
+            stored = await _read_line(loop, sock)
+            published = await _read_line(loop, sock)
+            whole = True
+            if published.startswith(b"-") and stored == b"+OK" and not published.startswith(TRANSIENT):
+                raise PatchRefused(f"Redis refused the publishing script: {published[:120]!r}")
+            return stored == b"+OK" and published == b":1"
+        finally:
+            if whole:
+                self._give(sock)
+            else:
+                sock.close()
+
     # -- the read --------------------------------------------------------------------
     async def stream_get(self, key: bytes, sink: StreamSink, manifest_len: int) -> object:
         """GET `key` into what `sink` names; the sink's verdict, None when the key is
@@ -227,4 +307,4 @@ async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -
         n -= await _recv(loop, sock, scratch[: min(n, len(scratch))])
 
 
-__all__ = ["Address", "Manifest", "RespError", "RespStreams"]
+__all__ = ["Address", "Manifest", "PatchRefused", "RespError", "RespStreams"]
