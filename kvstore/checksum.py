@@ -693,6 +693,12 @@ def warm_up() -> None:
     _state["warming"].start()
 
 
+def ready() -> bool:
+    """Whether a call now would not wait for the kernels to compile (they are compiled,
+    or known not to serve here): say so before hashing on an event loop."""
+    return "kernels" in _state
+
+
 def fast() -> bool:
     """Whether the vpclmulqdq kernels serve on this machine (else the package does)."""
     return _kernels() is not None
@@ -840,5 +846,6 @@ __all__ = [
     "mapped_crc32c",
     "pread_crc32c",
     "pwrite_crc32c",
+    "ready",
     "warm_up",
 ]

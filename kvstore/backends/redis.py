@@ -23,6 +23,12 @@ default 4), ``timeout`` (seconds per batch, default 5, plus 1 s per 64 MiB moved
 from the URL or from ``KVSTORE_REDIS_USERNAME`` / ``KVSTORE_REDIS_PASSWORD``; they are
 never logged (`stats().url` is redacted).
 
+Big unsealed frames (`kvstore.frame.UnsealedFrame`) on plain TCP / unix sockets are
+hashed as they are sent, under a temporary key, and published by a short script (see
+`kvstore.backends.redis_stream`): the user needs ``EVAL`` (ACL ``+@scripting``) and the
+temporary keys (``~P{*}:tmp:*``, see `kvstore.backends.redis_layout`); without them they
+are checksummed before they are sent, after one warning.
+
 Faults (refused, reset, killed server, timeouts, errors from Redis) never escape: a
 failed put is False plus ``put_errors``, a failed get is None plus ``get_errors``.  The
 pool reconnects on the next call once the server is back.
@@ -47,6 +53,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from kvstore import checksum
 from kvstore.backends import redis_layout as layout
 from kvstore.backends.base import (
     DEFAULT_MAX_OBJECT,
@@ -95,6 +102,7 @@ _REDIS_PY_OPTIONS = {
     "ssl_check_hostname",
 }
 MIB = 1 << 20
+TEMP_TTL_MIN = 60.0  # seconds a temporary key outlives a writer that died before publishing it
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +227,8 @@ class RedisBackend(Backend):
         if streams is not None:  # big values go out hashed as they are sent
             self.capabilities = dataclasses.replace(type(self).capabilities, seals_frames=True)
         self._patching = streams is not None  # off once the server refuses the publishing script
+        if streams is not None:
+            checksum.warm_up()  # the kernels compile off the loop, where the sends hash blocks
         self.options = options or RedisOptions()
         self.max_object_bytes = self.options.max_object
         self.cluster = isinstance(client, RedisCluster)
@@ -384,7 +394,7 @@ class RedisBackend(Backend):
             ttl = layout.ttl_ms_for(name, self._ttls, self.options.ttl)
             frame = value if isinstance(value, UnsealedFrame) and not value.sealed else None
             big = self.options.pipeline_max < size <= self.options.part_size
-            if frame is not None and not (big and self.streams is not None):
+            if frame is not None and not (big and self.streams is not None and self._patching):
                 to_seal.append(frame)
                 frame = None
             if size > self.options.part_size:
@@ -450,10 +460,10 @@ class RedisBackend(Backend):
         under `key` by the server at the end.  None: it must go sealed instead (another
         party computes its checksum, or the server runs no scripts for this client)."""
         assert self.streams is not None
-        if not self._patching or not frame.claim():
-            return None
+        if not self._patching or not checksum.ready() or not frame.claim():
+            return None  # (a first hash on the loop would wait for the kernels to compile)
         tmp = layout.temp_key(self.options.prefix, name, os.urandom(8).hex())
-        tmp_px = int(1000 * max(60.0, 2 * self.options.deadline(parts_len(parts))))
+        tmp_px = self._temp_ttl_ms(parts_len(parts))
         try:
             if await self.streams.stream_set_patched(
                 key, tmp.encode("utf-8", "surrogateescape"), parts, ttl, tmp_px, frame.seal
@@ -475,6 +485,11 @@ class RedisBackend(Backend):
         except FAULTS:
             pass  # it expires by itself
         return outcome
+
+    def _temp_ttl_ms(self, nbytes: int) -> int:
+        """How long a value of `nbytes` under its temporary key may wait to be published:
+        twice the put's deadline, at least `TEMP_TTL_MIN` seconds."""
+        return int(1000 * max(TEMP_TTL_MIN, 2 * self.options.deadline(nbytes)))
 
     async def _put_multi(
         self, i: int, name: str, parts: list[memoryview], size: int, ttl: int | None, ok: list[bool]

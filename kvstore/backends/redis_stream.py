@@ -21,6 +21,7 @@ read stops every write into the destination at once.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ HASH_BLOCK = 1 << 20  # hashed just before it is sent: it and the kernel's copy 
 PATCH_SCRIPT = b"""\
 if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('SETRANGE', KEYS[1], 0, ARGV[1])
-if ARGV[3] == '' then redis.call('PERSIST', KEYS[1]) else redis.call('PEXPIRE', KEYS[1], ARGV[3]) end
 redis.call('RENAME', KEYS[1], KEYS[2])
+if ARGV[3] == '' then redis.call('PERSIST', KEYS[2]) else redis.call('PEXPIRE', KEYS[2], ARGV[3]) end
 return 1
 """
 
@@ -67,9 +68,10 @@ def pack(*args: bytes) -> bytes:
     return b"".join(out)
 
 
-#: Errors that refuse one write, not scripts as such (memory, a busy or loading server,
-#: a replica): that put fails, the next one tries again.
-TRANSIENT = (b"-OOM", b"-BUSY", b"-LOADING", b"-READONLY", b"-MASTERDOWN", b"-TRYAGAIN", b"-NOREPLICAS")
+#: Errors that refuse one write, not the way it is written (memory, a busy or loading
+#: server, a replica): that put fails, the next one tries again.  Matched anywhere in the
+#: reply: older servers wrap an error raised inside a script in their own text.
+TRANSIENT = re.compile(rb"(?:^-|\W)(?:OOM|BUSY|LOADING|READONLY|MASTERDOWN|TRYAGAIN|NOREPLICAS)\b")
 
 
 class PatchRefused(RespError):
@@ -184,9 +186,9 @@ class RespStreams:
         `tmp` (expiring after `tmp_px` ms: a write cut short leaves nothing for long), and
         `PATCH_SCRIPT` writes the first part over it and renames it to `key` with expiry
         ``PX`` `px` (none when None), atomically.  False when Redis refuses this write
-        (e.g. out of memory: `tmp` may be left, to expire); `PatchRefused` when the
-        server runs no scripts for this client (or answers the script with an error
-        not in `TRANSIENT`)."""
+        (an error in `TRANSIENT`, e.g. out of memory; `tmp` may be left, to expire);
+        `PatchRefused` for any other error (no scripting for this client, an ACL that
+        does not cover `tmp`, ...): send sealed values under `key` instead."""
         loop = asyncio.get_running_loop()
         n = sum(p.nbytes for p in parts)
         head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(tmp), tmp, n)
@@ -212,8 +214,9 @@ class RespStreams:
             stored = await _read_line(loop, sock)
             published = await _read_line(loop, sock)
             whole = True
-            if published.startswith(b"-") and stored == b"+OK" and not published.startswith(TRANSIENT):
-                raise PatchRefused(f"Redis refused the publishing script: {published[:120]!r}")
+            for reply in (stored, published):
+                if reply.startswith(b"-") and not TRANSIENT.search(reply):
+                    raise PatchRefused(f"Redis refused a write under a temporary key: {reply[:160]!r}")
             return stored == b"+OK" and published == b":1"
         finally:
             if whole:

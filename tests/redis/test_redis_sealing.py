@@ -2,9 +2,11 @@
 
 A real redis-server each: the stored value is the frame a sealed encode gives, with the
 expiry asked for and no temporary key left; a frame another party is hashing is sent
-once it is sealed; a server that runs no scripts for this user still gets whole, sealed
-values; a send cut short or refused for memory is a failed put, leaves nothing under the
-object's key, and gives the frame back unsealed for another tier to seal.
+once it is sealed; a server that runs no scripts for this user, or an ACL that does not
+cover the temporary keys, still gets whole, sealed values; the publishing script takes
+only a whole temporary value; a send cut short or refused for memory is a failed put
+that leaves the object's key as it was (a cut-short frame goes back unsealed, for another
+tier to seal); a temporary key a writer leaves behind expires.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from tests.support.required import REDIS_INSTALL, needs
 pytestmark = needs(redis_available(), "redis-server", REDIS_INSTALL)
 
 FAST = "timeout=2&connect_timeout=0.5"
+
+
+@pytest.fixture(autouse=True)
+def compiled() -> None:
+    from kvstore import checksum
+
+    checksum.fast()  # the kernels compiled: a put hashes as it sends from the first one
 PAYLOAD = bytes(range(251)) * 16736  # ~4 MiB: four hash blocks and a piece
 
 
@@ -134,6 +143,7 @@ async def test_a_send_cut_short_gives_the_frame_back_unsealed() -> None:
         assert be.counters.put_errors == 1
         assert not f.sealed and f.claim()  # released: another tier can hash it
         f.release()
+        assert be.streams is not None and be.streams._idle == []  # a socket cut short is not kept
         assert cli(srv).get("kv:{a/b}") == b"older"
         assert temp_keys(srv) == []
         await be.close()
@@ -154,3 +164,88 @@ async def test_through_a_tiered_store_the_value_is_a_hit_for_a_fresh_reader() ->
         assert got is out and torch.equal(out, t)
         assert temp_keys(srv) == []
         await asyncio.gather(st.close(), fresh.close())
+
+
+async def test_the_publishing_script_publishes_only_a_whole_temporary_value() -> None:
+    from kvstore.backends.redis_stream import PATCH_SCRIPT
+
+    with RedisServer() as srv:
+        r = cli(srv)
+        r.set("kv:{a/b}", "older")
+        tmp = "kv:{a/b}:tmp:1"
+        assert r.eval(PATCH_SCRIPT, 2, tmp, "kv:{a/b}", b"HDR", 100, "") == 0  # none there
+        r.set(tmp, b"x" * 50, px=60_000)
+        assert r.eval(PATCH_SCRIPT, 2, tmp, "kv:{a/b}", b"HDR", 100, "") == 0  # a short one
+        assert r.get("kv:{a/b}") == b"older" and r.get(tmp) == b"x" * 50
+        r.set(tmp, b"x" * 100, px=60_000)
+        assert r.eval(PATCH_SCRIPT, 2, tmp, "kv:{a/b}", b"HDR", 100, 5000) == 1
+        assert r.get("kv:{a/b}") == b"HDR" + b"x" * 97 and not r.exists(tmp)
+        assert 0 < r.pttl("kv:{a/b}") <= 5000
+        r.set(tmp, b"y" * 100, px=60_000)
+        assert r.eval(PATCH_SCRIPT, 2, tmp, "kv:{a/b}", b"HDR", 100, "") == 1
+        assert r.get("kv:{a/b}") == b"HDR" + b"y" * 97 and r.pttl("kv:{a/b}") == -1
+
+
+async def test_an_acl_without_the_temporary_keys_gets_whole_sealed_values(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with RedisServer() as srv:
+        cli(srv).execute_command("ACL", "SETUSER", "narrow", "on", ">pw", "~kv:{*}", "~kv:{*}:parts", "+@all")
+        be = open_backend(f"redis://narrow:pw@127.0.0.1:{srv.port}/0?{FAST}")
+        for name in ("a/b", "a/c"):
+            assert await be.put_many([(name, unsealed(name))]) == [True]
+            assert cli(srv).get(f"kv:{{{name}}}") == sealed_bytes(name)
+        assert "NOPERM" in caplog.text and not be._patching
+        assert temp_keys(srv) == [] and be.counters.put_errors == 0
+        await be.close()
+
+
+async def test_a_temporary_key_left_behind_expires_by_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RENAME renamed away: the script fails after writing the header into the temporary key
+    with RedisServer(extra=["--rename-command", "RENAME", ""]) as srv:
+        be = open_backend(f"{srv.url}?{FAST}")
+
+        async def unreachable(*names: str) -> int:
+            raise ConnectionError("Redis went away")
+
+        monkeypatch.setattr(be.client, "unlink", unreachable)
+        assert await be.put_many([("a/b", unsealed())]) == [True]  # sent again, whole and sealed
+        assert cli(srv).get("kv:{a/b}") == sealed_bytes() and not be._patching
+        (left,) = temp_keys(srv)
+        assert 0 < cli(srv).pttl(left) <= be._temp_ttl_ms(len(sealed_bytes()))
+        await be.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b":0",  # the temporary key was gone (evicted) or short
+        b"-OOM command not allowed when used memory > 'maxmemory'.",
+        b"-ERR Error running script (call to f_1): @user_script:2: -OOM command not allowed",  # Redis 6
+    ],
+)
+async def test_a_publish_refused_for_this_write_fails_that_put_only(
+    monkeypatch: pytest.MonkeyPatch, answer: bytes
+) -> None:
+    import kvstore.backends.redis_stream as redis_stream
+
+    real = redis_stream._read_line
+    seen: list[bytes] = []
+
+    async def answered(loop: asyncio.AbstractEventLoop, sock: object) -> bytes:
+        line = await real(loop, sock)  # type: ignore[arg-type]
+        seen.append(line)
+        return answer if len(seen) == 2 else line  # the script's answer, as a server could give it
+
+    with RedisServer() as srv:
+        be = open_backend(f"{srv.url}?{FAST}")
+        monkeypatch.setattr(redis_stream, "_read_line", answered)
+        f = unsealed()
+        assert await be.put_many([("a/b", f)]) == [False]
+        assert seen == [b"+OK", b":1"] and be.counters.put_errors == 1
+        assert be._patching and f.sealed  # the next put goes the same way
+        assert temp_keys(srv) == []
+        monkeypatch.undo()
+        assert await be.put_many([("a/c", unsealed("a/c"))]) == [True]
+        assert cli(srv).info("commandstats")["cmdstat_eval"]["calls"] == 2
+        await be.close()
