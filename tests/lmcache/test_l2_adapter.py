@@ -215,6 +215,37 @@ needs_redis = needs(redis_available(), "redis-server", REDIS_INSTALL)
 
 
 @needs_redis
+def test_lmcache_conformance_check_over_redis(tmp_path):
+    """LMCache's check over a Redis tier alone."""
+    with RedisServer(workdir=tmp_path / "redis") as server:
+        spec = {
+            "type": "plugin",
+            "module_path": "kvstore_lmcache.l2_adapter",
+            "class_name": "KVStoreL2Adapter",
+            "adapter_params": {"tiers": [server.url]},
+        }
+        assert_l2_conformance(spec, tmp_path)
+
+
+@needs_redis
+def test_big_chunks_over_redis_are_hashed_as_sent_and_load_bytes_equal(make_adapter, tmp_path):
+    from kvstore import checksum
+
+    checksum.fast()  # compiled: no chunk waits for the kernels (it would be sealed first)
+    big = (2, 4, 256, 512)  # 2 MiB of bf16 a chunk
+    chunks = [torch.randn(big, generator=torch.Generator().manual_seed(s)).to(torch.bfloat16) for s in range(3)]
+    with RedisServer(workdir=tmp_path / "redis") as server:
+        ad = make_adapter([server.url])
+        keys = [okey(i) for i in range(3)]
+        assert store(ad, keys, chunks)
+        assert b"cmdstat_eval:calls=3," in server.command("INFO", "commandstats")  # one publish a chunk
+        fresh = make_adapter([server.url])
+        assert lookup(fresh, keys) == [True] * 3
+        for got, want in zip(load(fresh, keys, shape=big), chunks):
+            assert got is not None and torch.equal(got, want)
+
+
+@needs_redis
 def test_hung_redis_is_a_miss_within_the_deadline_then_fails_fast(make_adapter, tmp_path):
     with RedisServer(workdir=tmp_path / "redis") as server:
         ad = make_adapter([server.url], timeout_s=1.0)
