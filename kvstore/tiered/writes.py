@@ -132,8 +132,8 @@ class Writer:
         self, frames: list[list[memoryview] | None], writes: list[tuple[int, Write]]
     ) -> None:
         """Seal now the unsealed frames this plan writes into more than one tier (on worker
-        threads, all at once): else the tier whose write claims one first (a disk tier
-        hashing as it writes) would hold the others' writes of it until it is done."""
+        threads, all at once): else the tier whose write claims one first (a disk or
+        Redis tier hashing as it writes) would hold the others' writes of it until it is done."""
         times = Counter(i for i, _ in writes)
         await seal_frames(frames[i] for i, n in times.items() if n > 1)
 
@@ -154,8 +154,8 @@ class Writer:
         threads, all at once (`Tier.encode_off_loop`): the event loop goes on serving
         other reads and writes meanwhile, and a batch's codecs run on every core instead
         of one after another on the loop's.  Large frames are left unsealed: each tier's
-        `Tier.put_frames` computes the checksum, on worker threads, or a disk tier while
-        it writes the payload (one pass over it instead of two)."""
+        `Tier.put_frames` computes the checksum, on worker threads, or a disk or Redis
+        tier while it writes or sends the payload (one pass over it instead of two)."""
         top = self.p.tiers[0]
 
         async def frame(name: str, tensor: torch.Tensor) -> list[memoryview] | None:
