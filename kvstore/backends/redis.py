@@ -26,8 +26,8 @@ never logged (`stats().url` is redacted).
 Big unsealed frames (`kvstore.frame.UnsealedFrame`) on plain TCP / unix sockets are
 hashed as they are sent, under a temporary key, and published by a short script (see
 `kvstore.backends.redis_stream`): the user needs ``EVAL`` (ACL ``+@scripting``) and the
-temporary keys (``~P{*}:tmp:*``, see `kvstore.backends.redis_layout`); without them they
-are checksummed before they are sent, after one warning.
+temporary keys (all keys under the prefix: ``~P*``, see `kvstore.backends.redis_layout`);
+without them they are checksummed before they are sent, after one warning.
 
 Faults (refused, reset, killed server, timeouts, errors from Redis) never escape: a
 failed put is False plus ``put_errors``, a failed get is None plus ``get_errors``.  The
@@ -227,6 +227,7 @@ class RedisBackend(Backend):
         if streams is not None:  # big values go out hashed as they are sent
             self.capabilities = dataclasses.replace(type(self).capabilities, seals_frames=True)
         self._patching = streams is not None  # off once the server refuses the publishing script
+        self.patch_refusal: str | None = None  # why big values go out checksummed first
         if streams is not None:
             checksum.warm_up()  # the kernels compile off the loop, where the sends hash blocks
         self.options = options or RedisOptions()
@@ -471,12 +472,7 @@ class RedisBackend(Backend):
                 return True
             outcome: bool | None = False
         except PatchRefused as exc:
-            self._patching = False
-            log.warning(
-                "redis %s: %s; big values are checksummed before they are sent from now on",
-                redact_url(self.url),
-                exc,
-            )
+            self._refused(exc)
             outcome = None
         finally:
             frame.release()  # a write cut short before the seal leaves the checksum to others
@@ -485,6 +481,45 @@ class RedisBackend(Backend):
         except FAULTS:
             pass  # it expires by itself
         return outcome
+
+    def _refused(self, exc: PatchRefused) -> None:
+        """The server will not take values hashed as they are sent: seal them first."""
+        self._patching = False
+        self.patch_refusal = str(exc)
+        log.warning(
+            "redis %s: %s; big values are checksummed before they are sent from now on",
+            redact_url(self.url),
+            exc,
+        )
+
+    async def check_publishing(self, name: str) -> str | None:
+        """Send one small value under `name` the way big ones go (under a temporary key,
+        published by the script), then delete it: None when that works or does not apply
+        (TLS, Cluster), else why not (and big values are checksummed first from now on)."""
+        if self.streams is None or not self._patching:
+            return self.patch_refusal
+        key = layout.data_key(self.options.prefix, name)
+        tmp = layout.temp_key(self.options.prefix, name, os.urandom(8).hex())
+        first = bytearray(8)
+        parts = [memoryview(first), memoryview(b"kvstore publishing check")]
+
+        def patch(crc: int) -> memoryview:
+            first[:] = b"%08x" % crc
+            return memoryview(first)
+
+        try:
+            ok = await self.streams.stream_set_patched(
+                key.encode("utf-8", "surrogateescape"), tmp.encode("utf-8", "surrogateescape"), parts, None, 60_000, patch
+            )
+        except PatchRefused as exc:
+            self._refused(exc)
+            ok = True
+        finally:
+            try:
+                await self.client.unlink(key, tmp)
+            except FAULTS as exc:  # e.g. an ACL without the temporary keys: nothing was written there
+                log.debug("redis publishing check: unlink failed: %s", exc)
+        return self.patch_refusal if ok else "a small value under a temporary key was not published (see the log)"
 
     def _temp_ttl_ms(self, nbytes: int) -> int:
         """How long a value of `nbytes` under its temporary key may wait to be published:

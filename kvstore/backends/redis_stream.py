@@ -216,7 +216,9 @@ class RespStreams:
             whole = True
             for reply in (stored, published):
                 if reply.startswith(b"-") and not TRANSIENT.search(reply):
-                    raise PatchRefused(f"Redis refused a write under a temporary key: {reply[:160]!r}")
+                    raise PatchRefused(
+                        f"Redis refused a write under a temporary key ({reply[1:161].decode('utf-8', 'replace')})"
+                    )
             return stored == b"+OK" and published == b":1"
         finally:
             if whole:

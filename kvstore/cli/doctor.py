@@ -300,7 +300,12 @@ def _fix_for(url: str, exc: BaseException | str) -> str:
             "or point the file:// URL at one"
         )
     if scheme.startswith("redis") or scheme == "unix":
-        if "auth" in text or "password" in text or "noperm" in text:
+        if "no permissions" in text or "noperm" in text:
+            return (
+                "give the ACL user every key under the tier's prefix (~kv:* for the default prefix) and the "
+                "commands kvstore sends (+@read +@write +@keyspace +@scripting, or +@all)"
+            )
+        if "auth" in text or "password" in text:
             return "fix the password / ACL user in the URL (redis://user:pass@host) or KVSTORE_REDIS_PASSWORD"
         return "start redis-server there, or fix host:port / socket path in the URL (redis-cli -u URL ping)"
     if scheme == "s3":
@@ -430,6 +435,16 @@ async def _probe(tier: Any, cfg: Any) -> tuple[str, str, str]:
         )
     codec = tier.codec.name
     note = "" if codec == "raw" else f"; tier codec {codec} loaded (probe written raw)"
+    publishing = getattr(backend, "check_publishing", None)  # Redis: big values hashed as sent
+    refusal = await publishing(name) if publishing is not None else None
+    if refusal:
+        return (
+            WARN,
+            f"reached, probe written and read back verified; but big values are checksummed before they "
+            f"are sent (a second pass over each, stores a few percent slower): {_redact(refusal)}",
+            "let the Redis user run scripts (ACL +@scripting) and use every key under its prefix "
+            "(~kv:* for the default prefix: objects, their :parts and :tmp: keys); see docs/operations.md",
+        )
     if backend.capabilities.streamed_reads:
         note += "; read back streamed into a tensor"
     if not deleted or not deleted[0]:

@@ -154,6 +154,24 @@ def test_s3_round_trip(env, s3_url) -> None:
 
 
 # --------------------------------------------------------------------------- failures
+def test_a_redis_user_that_cannot_run_scripts_is_a_warning_with_the_fix(env, redis_srv) -> None:
+    import redis
+
+    r = redis.Redis(port=redis_srv.port)
+    r.execute_command("ACL", "SETUSER", "noscripts", "on", ">pw", "~*", "+@all", "-@scripting")
+    url = f"redis://noscripts:pw@127.0.0.1:{redis_srv.port}/0"
+    code, report = doctor("--l2-adapter", adapter_json(tiers=[url]))
+    c = check(report, "tier0 ")
+    assert c["status"] == "warn" and "checksummed before they are sent" in c["detail"], c
+    assert "NOPERM" in c["detail"] and "+@scripting" in c["fix"]
+    assert code == 0 and report["warnings"]  # a warning, not a failure
+    assert r.keys("*") == []  # probes and the temporary key gone
+    # the default user may: no warning
+    code, report = doctor("--l2-adapter", adapter_json(tiers=[redis_srv.url]))
+    assert check(report, "tier0 ")["status"] == "ok" and code == 0
+    assert r.keys("*") == []
+
+
 def test_unreachable_redis_is_named_with_the_fix(env, tmp_path: Path) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0?connect_timeout=0.5"
     env(KVSTORE_TIERS=f"mem://doc-r {url}")
