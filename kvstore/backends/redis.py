@@ -228,8 +228,6 @@ class RedisBackend(Backend):
             self.capabilities = dataclasses.replace(type(self).capabilities, seals_frames=True)
         self._patching = streams is not None  # off once the server refuses the publishing script
         self.patch_refusal: str | None = None  # why big values go out checksummed first
-        if streams is not None:
-            checksum.warm_up()  # the kernels compile off the loop, where the sends hash blocks
         self.options = options or RedisOptions()
         self.max_object_bytes = self.options.max_object
         self.cluster = isinstance(client, RedisCluster)
@@ -461,8 +459,13 @@ class RedisBackend(Backend):
         under `key` by the server at the end.  None: it must go sealed instead (another
         party computes its checksum, or the server runs no scripts for this client)."""
         assert self.streams is not None
-        if not self._patching or not checksum.ready() or not frame.claim():
-            return None  # (a first hash on the loop would wait for the kernels to compile)
+        if not self._patching:
+            return None
+        if not checksum.ready():  # a first hash on the loop would wait for the kernels to compile
+            checksum.warm_up()  # (off the loop; until then frames are sealed on worker threads)
+            return None
+        if not frame.claim():
+            return None
         tmp = layout.temp_key(self.options.prefix, name, os.urandom(8).hex())
         tmp_px = self._temp_ttl_ms(parts_len(parts))
         try:

@@ -36,8 +36,9 @@ HASH_BLOCK = 1 << 20  # hashed just before it is sent: it and the kernel's copy 
 
 #: Publishes a value sent under a temporary key: only a temporary key of the length sent
 #: (a SET refused for memory, or a key evicted since, leaves none), its first bytes
-#: overwritten in place (the value is not shared: SETRANGE copies nothing else), its
-#: expiry set, then renamed over the object: readers see the old value or the new one.
+#: overwritten in place (the value is not shared: SETRANGE copies nothing else), renamed
+#: over the object, then the object's expiry set (all one step: readers see the old
+#: value or the new one).  Commands: STRLEN, SETRANGE, RENAME, PERSIST / PEXPIRE.
 PATCH_SCRIPT = b"""\
 if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('SETRANGE', KEYS[1], 0, ARGV[1])
@@ -69,9 +70,19 @@ def pack(*args: bytes) -> bytes:
 
 
 #: Errors that refuse one write, not the way it is written (memory, a busy or loading
-#: server, a replica): that put fails, the next one tries again.  Matched anywhere in the
-#: reply: older servers wrap an error raised inside a script in their own text.
-TRANSIENT = re.compile(rb"(?:^-|\W)(?:OOM|BUSY|LOADING|READONLY|MASTERDOWN|TRYAGAIN|NOREPLICAS)\b")
+#: server, a replica, a failing snapshot): that put fails, the next one tries again.  Also
+#: found after " -": older servers wrap an error raised inside a script in their own text.
+TRANSIENT = re.compile(rb"(?:^|\s)-(?:OOM|BUSY|LOADING|READONLY|MASTERDOWN|TRYAGAIN|NOREPLICAS|MISCONF)\b")
+
+
+def refuses_the_way(reply: bytes) -> bool:
+    """Does error `reply` refuse writing big values this way for good (a user without
+    the temporary keys or ``EVAL``, a server or proxy without scripting, a command the
+    script needs renamed away), rather than this one write?"""
+    if not reply.startswith(b"-") or TRANSIENT.search(reply):
+        return False
+    text = reply.lower()
+    return text.startswith(b"-noperm") or b"unknown command" in text or b"script" in text or b"lua" in text
 
 
 class PatchRefused(RespError):
@@ -186,9 +197,9 @@ class RespStreams:
         `tmp` (expiring after `tmp_px` ms: a write cut short leaves nothing for long), and
         `PATCH_SCRIPT` writes the first part over it and renames it to `key` with expiry
         ``PX`` `px` (none when None), atomically.  False when Redis refuses this write
-        (an error in `TRANSIENT`, e.g. out of memory; `tmp` may be left, to expire);
-        `PatchRefused` for any other error (no scripting for this client, an ACL that
-        does not cover `tmp`, ...): send sealed values under `key` instead."""
+        (e.g. out of memory; `tmp` may be left, to expire); `PatchRefused` when its
+        answer refuses this way of writing for good (`refuses_the_way`: no scripting for
+        this client, an ACL that does not cover `tmp`, ...): send sealed values instead."""
         loop = asyncio.get_running_loop()
         n = sum(p.nbytes for p in parts)
         head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(tmp), tmp, n)
@@ -215,7 +226,7 @@ class RespStreams:
             published = await _read_line(loop, sock)
             whole = True
             for reply in (stored, published):
-                if reply.startswith(b"-") and not TRANSIENT.search(reply):
+                if refuses_the_way(reply):
                     raise PatchRefused(
                         f"Redis refused a write under a temporary key ({reply[1:161].decode('utf-8', 'replace')})"
                     )

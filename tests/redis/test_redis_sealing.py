@@ -45,6 +45,19 @@ def sealed_bytes(name: str = "a/b") -> bytes:
     return b"".join(encode_frame([PAYLOAD], codec="raw", key=name, ctime=3.0))
 
 
+def test_what_refuses_the_way_for_good() -> None:
+    from kvstore.backends.redis_stream import refuses_the_way
+
+    assert refuses_the_way(b"-NOPERM this user has no permissions to run the 'eval' command")
+    assert refuses_the_way(b"-ERR unknown command 'EVAL', with args beginning with: ")
+    assert refuses_the_way(b"-ERR user_script:3: Unknown Redis command called from script script: ...")
+    assert not refuses_the_way(b"-OOM command not allowed when used memory > 'maxmemory'.")
+    assert not refuses_the_way(b"-ERR Error running script (call to f_1): @user_script:2: -OOM command not allowed")
+    assert not refuses_the_way(b"-MISCONF Redis is configured to save RDB snapshots")
+    assert refuses_the_way(b"-NOPERM no permissions to access the key 'kv:{x/OOM}:tmp:ab'")
+    assert not refuses_the_way(b":1") and not refuses_the_way(b"+OK")
+
+
 def temp_keys(srv: RedisServer) -> list[bytes]:
     return cli(srv).keys("*:tmp:*")
 
@@ -222,6 +235,8 @@ async def test_a_temporary_key_left_behind_expires_by_itself(monkeypatch: pytest
         b":0",  # the temporary key was gone (evicted) or short
         b"-OOM command not allowed when used memory > 'maxmemory'.",
         b"-ERR Error running script (call to f_1): @user_script:2: -OOM command not allowed",  # Redis 6
+        b"-MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist",
+        b"-ERR some error no one foresaw",  # a failed put, not a reason to stop hashing as sent
     ],
 )
 async def test_a_publish_refused_for_this_write_fails_that_put_only(
