@@ -147,11 +147,15 @@ async def test_a_value_refused_for_memory_is_a_failed_put_and_the_frame_stays_se
 
 
 async def test_a_send_cut_short_gives_the_frame_back_unsealed() -> None:
-    # the server drops any connection that announces a value longer than 1 MiB
+    # the server drops any connection that announces a value longer than 1 MiB; the value
+    # is far larger than the socket buffers, so the send fails before the last block
+    # (a smaller one could fit in them whole, be sealed, and fail only at the reply)
+    payload = bytes(range(251)) * ((32 << 20) // 251)  # 32 MiB
     with RedisServer(extra=["--proto-max-bulk-len", "1mb"]) as srv:
         be = open_backend(f"{srv.url}?{FAST}")
         cli(srv).set("kv:{a/b}", "older")
-        f = unsealed()
+        f = encode_frame([payload], codec="raw", key="a/b", sealed=False)
+        assert isinstance(f, UnsealedFrame)
         assert await be.put_many([("a/b", f)]) == [False]
         assert be.counters.put_errors == 1
         assert not f.sealed and f.claim()  # released: another tier can hash it
