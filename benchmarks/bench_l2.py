@@ -21,8 +21,10 @@ from the AWS environment variables, LMCache's adapter from its config's static k
 
 A round stores N fresh chunks in store tasks of `--batch` chunks (timed until every task
 has completed), then looks them up and loads them into preallocated buffers (timed
-from lookup to the last load; page-cache-warm for disk).  The first round checks that
-the bytes loaded are the bytes stored.  Printed: GB/s per adapter, and per pair the
+from lookup to the last load; page-cache-warm for disk).  Before each round's timed
+tasks the script collects garbage and calls ``os.sync()`` (outside the clock, for every
+adapter alike), so no adapter pays for another's construction or earlier writes.  The
+first round checks that the bytes loaded are the bytes stored.  Printed: GB/s per adapter, and per pair the
 kvstore / LMCache ratio of each round as min / median / max.
 
 Usage:
@@ -39,6 +41,7 @@ import contextlib
 import gc
 import itertools
 import json
+import os
 import shutil
 import socket
 import sys
@@ -144,6 +147,7 @@ def run_round(cfg: Config, data: list[torch.Tensor], dst: list[torch.Tensor], ba
     # holding torch and LMCache) must not land in whichever adapter's timed phase comes
     # next.  Collections the timed tasks cause themselves still count.
     gc.collect()
+    os.sync()  # the earlier rounds' dirty pages written back now, not during this round's stores
     try:
         l2 = SyncL2(adapter, timeout_s=300)
         keys = [object_key(base + i) for i in range(len(data))]
