@@ -42,12 +42,13 @@ subclass of `FrameError`; nothing is ever unpickled.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import struct
 import threading
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,6 +289,14 @@ class UnsealedFrame(list[memoryview]):
         except BaseException:
             self.release()
             raise
+
+
+async def seal_frames(frames: Iterable[Sequence[memoryview] | None]) -> None:
+    """Seal those of `frames` that are `UnsealedFrame`s not sealed yet, on worker threads,
+    all at once (each a checksum pass that releases the GIL)."""
+    unsealed = [f for f in frames if isinstance(f, UnsealedFrame) and not f.sealed]
+    if unsealed:
+        await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in unsealed))
 
 
 def _packed_header(header: FrameHeader) -> bytes:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
@@ -28,7 +28,7 @@ from kvstore.backends import Alloc, Backend, open_backend
 from kvstore.backends.base import Capabilities, redact_url
 from kvstore.buffers import BufferPool
 from kvstore.codec.base import CodecUnavailableError
-from kvstore.frame import Frame, FrameError, UnsealedFrame, decode_frame, encode_frame
+from kvstore.frame import Frame, FrameError, decode_frame, encode_frame, seal_frames
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.tier_stream import DECLINED, GONE, HIT, Out, ReadResult, read_streamed
 
@@ -77,14 +77,6 @@ def transcode(
     return encode_frame(
         enc.parts, codec=target.name, dtype=enc.dtype, shape=enc.shape, layout=enc.layout, key=name, meta=meta
     )
-
-
-async def seal_frames(frames: Iterable[Sequence[memoryview] | None]) -> None:
-    """Seal those of `frames` that are `UnsealedFrame`s not sealed yet, on worker threads,
-    all at once (each a checksum pass that releases the GIL)."""
-    unsealed = [f for f in frames if isinstance(f, UnsealedFrame) and not f.sealed]
-    if unsealed:
-        await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in unsealed))
 
 
 async def check_frame(raw: memoryview, name: str) -> Frame:

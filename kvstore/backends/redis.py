@@ -73,7 +73,7 @@ from kvstore.backends.base import (
 from kvstore.backends.redis_stream import Address, Manifest, PatchRefused, RespStreams
 from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.backends.stream import StreamSink, stream_from_buffer
-from kvstore.frame import UnsealedFrame
+from kvstore.frame import UnsealedFrame, seal_frames
 from kvstore.keys import InvalidKeyError, check_object_name, printable_name
 from kvstore.options import option_float, option_int, option_size
 
@@ -224,9 +224,8 @@ class RedisBackend(Backend):
         super().__init__(url)
         self.client = client
         self.streams = streams
-        if streams is not None:  # big values go out hashed as they are sent
+        if streams is not None:  # big values go out hashed as they are sent (off if refused)
             self.capabilities = dataclasses.replace(type(self).capabilities, seals_frames=True)
-        self._patching = streams is not None  # off once the server refuses the publishing script
         self.patch_refusal: str | None = None  # why big values go out checksummed first
         self.options = options or RedisOptions()
         self.max_object_bytes = self.options.max_object
@@ -377,7 +376,7 @@ class RedisBackend(Backend):
         sizes = [0] * len(items)
         small: list[tuple[int, str, Any, int | None]] = []
         jobs: list[Awaitable[None]] = []
-        to_seal: list[UnsealedFrame] = []  # unsealed frames that go out whole
+        to_seal: list[UnsealedFrame] = []  # unsealed frames that go out whole (sealed first)
         for i, (name, value) in enumerate(items):
             try:
                 check_object_name(name)
@@ -393,7 +392,7 @@ class RedisBackend(Backend):
             ttl = layout.ttl_ms_for(name, self._ttls, self.options.ttl)
             frame = value if isinstance(value, UnsealedFrame) and not value.sealed else None
             big = self.options.pipeline_max < size <= self.options.part_size
-            if frame is not None and not (big and self.streams is not None and self._patching):
+            if frame is not None and not (big and self.capabilities.seals_frames):
                 to_seal.append(frame)
                 frame = None
             if size > self.options.part_size:
@@ -407,8 +406,7 @@ class RedisBackend(Backend):
                 jobs.append(self._put_big(i, name, data, ttl, ok, frame))
         if small:
             jobs.append(self._put_small(small, ok))
-        if to_seal:  # checksums on worker threads, all at once (each releases the GIL)
-            await asyncio.gather(*(asyncio.to_thread(f.ensure_sealed) for f in to_seal))
+        await seal_frames(to_seal)
         await self._run("put", jobs, sum(sizes))
         for i in range(len(items)):
             if ok[i]:
@@ -446,7 +444,7 @@ class RedisBackend(Backend):
                     if sent is not None:
                         ok[i] = sent
                         return
-                    await asyncio.to_thread(frame.ensure_sealed)
+                    await seal_frames([frame])
                 ok[i] = await self.streams.stream_set(bkey, parts, ttl)
             else:
                 ok[i] = bool(await self.client.set(key, data, px=ttl))
@@ -459,7 +457,7 @@ class RedisBackend(Backend):
         under `key` by the server at the end.  None: it must go sealed instead (another
         party computes its checksum, or the server runs no scripts for this client)."""
         assert self.streams is not None
-        if not self._patching:
+        if not self.capabilities.seals_frames:
             return None
         if not checksum.ready():  # a first hash on the loop would wait for the kernels to compile
             checksum.warm_up()  # (off the loop; until then frames are sealed on worker threads)
@@ -487,7 +485,7 @@ class RedisBackend(Backend):
 
     def _refused(self, exc: PatchRefused) -> None:
         """The server will not take values hashed as they are sent: seal them first."""
-        self._patching = False
+        self.capabilities = dataclasses.replace(self.capabilities, seals_frames=False)
         self.patch_refusal = str(exc)
         log.warning(
             "redis %s: %s; big values are checksummed before they are sent from now on",
@@ -499,7 +497,7 @@ class RedisBackend(Backend):
         """Send one small value under `name` the way big ones go (under a temporary key,
         published by the script), then delete it: None when that works or does not apply
         (TLS, Cluster), else why not (and big values are checksummed first from now on)."""
-        if self.streams is None or not self._patching:
+        if self.streams is None or not self.capabilities.seals_frames:
             return self.patch_refusal
         key = layout.data_key(self.options.prefix, name)
         tmp = layout.temp_key(self.options.prefix, name, os.urandom(8).hex())

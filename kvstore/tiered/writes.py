@@ -20,10 +20,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvstore.frame import seal_frames
 from kvstore.keys import InvalidKeyError, check_object_name
 from kvstore.namespaces import namespace_of
 from kvstore.policy import NO_META, AnyOf, ChunkMeta, Copy, Drop, Move, Write, WriteBatch
-from kvstore.tier import seal_frames
 from kvstore.tiered.inflight import Ticket
 from kvstore.tiered.moves import Mover
 from kvstore.tiered.parts import Parts

@@ -122,7 +122,7 @@ async def test_a_server_that_runs_no_scripts_still_gets_whole_sealed_values(
         url = f"redis://noscripts:pw@127.0.0.1:{srv.port}/0?{FAST}"
         be = open_backend(url)
         assert await be.put_many([("a/b", unsealed())]) == [True]
-        assert "checksummed before they are sent" in caplog.text
+        assert "checksummed before they are sent" in caplog.text and not be.capabilities.seals_frames
         assert cli(srv).get("kv:{a/b}") == sealed_bytes()
         assert temp_keys(srv) == []
         assert await be.put_many([("a/c", unsealed("a/c"))]) == [True]  # straight to whole values
@@ -141,7 +141,7 @@ async def test_a_value_refused_for_memory_is_a_failed_put_and_the_frame_stays_se
         assert cli(srv).exists("kv:{a/b}") == 0
         assert temp_keys(srv) == []
         assert f.sealed  # hashed as it went: the checksum is right for another tier
-        assert be._patching  # a refusal for memory is this write's, not the script's
+        assert be.capabilities.seals_frames  # a refusal for memory is this write's, not the script's
         assert bytes(decode_frame(b"".join(f), key="a/b").payload) == PAYLOAD
         await be.close()
 
@@ -212,7 +212,7 @@ async def test_an_acl_without_the_temporary_keys_gets_whole_sealed_values(
         for name in ("a/b", "a/c"):
             assert await be.put_many([(name, unsealed(name))]) == [True]
             assert cli(srv).get(f"kv:{{{name}}}") == sealed_bytes(name)
-        assert "NOPERM" in caplog.text and not be._patching
+        assert "NOPERM" in caplog.text and not be.capabilities.seals_frames
         assert temp_keys(srv) == [] and be.counters.put_errors == 0
         await be.close()
 
@@ -227,7 +227,7 @@ async def test_a_temporary_key_left_behind_expires_by_itself(monkeypatch: pytest
 
         monkeypatch.setattr(be.client, "unlink", unreachable)
         assert await be.put_many([("a/b", unsealed())]) == [True]  # sent again, whole and sealed
-        assert cli(srv).get("kv:{a/b}") == sealed_bytes() and not be._patching
+        assert cli(srv).get("kv:{a/b}") == sealed_bytes() and not be.capabilities.seals_frames
         (left,) = temp_keys(srv)
         assert 0 < cli(srv).pttl(left) <= be._temp_ttl_ms(len(sealed_bytes()))
         await be.close()
@@ -262,7 +262,7 @@ async def test_a_publish_refused_for_this_write_fails_that_put_only(
         f = unsealed()
         assert await be.put_many([("a/b", f)]) == [False]
         assert seen == [b"+OK", b":1"] and be.counters.put_errors == 1
-        assert be._patching and f.sealed  # the next put goes the same way
+        assert be.capabilities.seals_frames and f.sealed  # the next put goes the same way
         assert temp_keys(srv) == []
         monkeypatch.undo()
         assert await be.put_many([("a/c", unsealed("a/c"))]) == [True]
