@@ -163,8 +163,7 @@ class RespStreams:
         ``PX`` `px` when given.  False when Redis refuses it (e.g. out of memory)."""
         loop = asyncio.get_running_loop()
         n = sum(p.nbytes for p in parts)
-        head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (5 if px is not None else 3, len(key), key, n)
-        tail = b"\r\n" + (b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px) if px is not None else b"")
+        head, tail = _set_around(key, n, px)
         sock = await self._take()
         whole = False
         try:
@@ -202,8 +201,7 @@ class RespStreams:
         this client, an ACL that does not cover `tmp`, ...): send sealed values instead."""
         loop = asyncio.get_running_loop()
         n = sum(p.nbytes for p in parts)
-        head = b"*5\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(tmp), tmp, n)
-        tail = b"\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(tmp_px)), tmp_px)
+        head, tail = _set_around(tmp, n, tmp_px)
         sock = await self._take()
         whole = False
         try:
@@ -298,6 +296,13 @@ class RespStreams:
                 self._give(sock)
             else:
                 sock.close()
+
+
+def _set_around(key: bytes, n: int, px: int | None) -> tuple[bytes, bytes]:
+    """The bytes of ``SET key <n-byte value> [PX px]`` before and after the value."""
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (5 if px is not None else 3, len(key), key, n)
+    tail = b"\r\n" + (b"$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(px)), px) if px is not None else b"")
+    return head, tail
 
 
 async def _recv(loop: asyncio.AbstractEventLoop, sock: socket.socket, into: memoryview) -> int:
