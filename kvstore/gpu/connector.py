@@ -34,6 +34,7 @@ Must not touch: index arithmetic (kvstore.gpu.layout), storage, policy.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import (
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from kvstore.gpu.direct import DirectCopier, LayerCopies, TokenSpans
+from kvstore.gpu.driver import driver_calls
 from kvstore.gpu.layout import KVLayout
 from kvstore.gpu.paged import PagedKVCache
 from kvstore.gpu.pipeline import LayerPipeline
@@ -51,6 +53,31 @@ from kvstore.gpu.staging import DeviceScratch, PinnedPool
 from kvstore.gpu.transfer import CopyStream, HostBatch
 
 __all__ = ["LayerwisePagedKVConnector", "PagedKVConnector", "make_connector"]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Where one chunk's bytes lie in its memory object, found on the first layer and the
+    same on every layer (LMCache allocates each layer's object of a chunk alike):
+    ``offset`` and ``nbytes`` from the object's start, and the object's shape and dtype."""
+
+    offset: int
+    nbytes: int
+    shape: torch.Size
+    dtype: torch.dtype | None
+
+
+def _kept_slots(
+    slot_mapping: torch.Tensor, starts: Sequence[int], ends: Sequence[int], skips: Sequence[int]
+) -> torch.Tensor:
+    """The slots of the tokens a request moves (chunk ``i``: ``starts[i] + skips[i]`` to
+    ``ends[i]``), in order: a view when they are one run (no skips, chunks back to back,
+    as LMCache sends them), else one ``cat``."""
+    if not starts:
+        return slot_mapping[:0]
+    if not any(skips) and all(e == s for e, s in zip(ends[:-1], starts[1:], strict=True)):
+        return slot_mapping[starts[0] : ends[-1]]
+    return torch.cat([slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)])
 
 
 class _PagedCore:
@@ -394,11 +421,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         k = paged.layout.kv_size
         spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
         total = spans[-1][1] if spans else 0
-        rows = paged.layer_rows(
-            torch.cat([slot_mapping[s:e] for s, e in zip(starts, ends, strict=True)])
-            if spans
-            else slot_mapping[:0]
-        )
+        rows = paged.layer_rows(_kept_slots(slot_mapping, starts, ends, [0] * len(starts)))
         self.store_copies.keep(rows)  # made on the caller's stream, read on the copy stream
         batch = self._batch(self.store_copies)
         previous: torch.cuda.Event | None = None  # the layer queued by the last step
@@ -445,6 +468,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             self.store_copies.is_async
             and not self.stage_all
             and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+            and driver_calls() is not None
         )
 
     def _pipeline(
@@ -458,17 +482,69 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         store: bool,
     ) -> LayerPipeline:
         """One request's pipeline over the tokens it moves (``skips`` of each chunk stay)."""
-        kept = [slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)]
         return LayerPipeline(
             paged,
-            paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0]),
-            self._spans([len(k) for k in kept]),
+            paged.layer_rows(_kept_slots(slot_mapping, starts, ends, skips)),
+            self._spans([e - s - skip for s, e, skip in zip(starts, ends, skips, strict=True)]),
             copies=self.store_copies if store else self.load_copies,
             kernels=self.store_kernels if store else self.load_kernels,
             scratch=(self._store_scratch, self._store_scratch_b)
             if store
             else (self._load_scratch, self._load_scratch_b),
+            driver=driver_calls() if self.store_copies.is_async else None,
         )
+
+    @staticmethod
+    def _pieces(
+        objs: Sequence[MemoryObj], tensors: Sequence[torch.Tensor], pipe: LayerPipeline, dtype: torch.dtype
+    ) -> list[_Piece]:
+        """Each chunk's piece, from the first layer's objects and the part of each
+        object's tensor that moves (``tensors``): the bytes the pipeline expects, in the
+        caches' dtype, contiguous."""
+        pieces = []
+        for obj, t, n in zip(objs, tensors, pipe.chunk_bytes, strict=True):
+            have = t.numel() * t.element_size()
+            if have != n or t.dtype != dtype or (n and not t.is_contiguous()):
+                raise ValueError(
+                    f"memory object holds {tuple(t.shape)} {t.dtype} ({have} bytes) where this "
+                    f"request's chunk needs {n} bytes of {dtype}: allocate objects with the "
+                    "connector's get_shape() and the caches' dtype"
+                )
+            meta = obj.metadata
+            pieces.append(_Piece(t.data_ptr() - obj.data_ptr if n else 0, n, meta.shape, meta.dtype))
+        return pieces
+
+    @staticmethod
+    def _addresses(
+        layer: int, objs: Sequence[MemoryObj] | None, pieces: Sequence[_Piece], fmt: MemoryFormat | None
+    ) -> list[int]:
+        """The address of each chunk's piece in ``objs`` (layer ``layer``), after checking
+        each object is alive and shaped as the first layer's (and in ``fmt``, if given),
+        so no copy reads or writes past an object."""
+        if objs is None or len(objs) != len(pieces):
+            raise ValueError(
+                f"layer {layer}: send() {len(pieces)} memory objects (one per chunk), got "
+                f"{None if objs is None else len(objs)}"
+            )
+        out = []
+        for obj, p in zip(objs, pieces, strict=True):
+            meta = obj.metadata
+            if (
+                meta.shape != p.shape
+                or meta.dtype != p.dtype
+                or (fmt is not None and meta.fmt != fmt)
+                or not obj.is_valid()
+                or obj.get_size() < p.offset + p.nbytes
+            ):
+                raise ValueError(
+                    f"layer {layer}: memory object {tuple(meta.shape)} {meta.dtype} in {meta.fmt} "
+                    f"(valid: {obj.is_valid()}, {obj.get_size()} bytes) differs from the first "
+                    f"layer's {tuple(p.shape)} {p.dtype}"
+                    + (f" in {fmt}" if fmt is not None else "")
+                    + ": every layer's objects of a chunk must be alike"
+                )
+            out.append(obj.data_ptr + p.offset)
+        return out
 
     def _pipelined_from_gpu(
         self,
@@ -483,9 +559,10 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         """Layerwise store through :class:`LayerPipeline`: layer i is queued before layer
         i - 1 is waited for, and its gather overlaps layer i - 1's copies."""
         pipe = self._pipeline(paged, slot_mapping, starts, ends, [0] * len(starts), store=True)
+        pieces = self._pieces(memory_objs[0], first, pipe, paged.dtype)
 
         def queue(layer: int, objs: Sequence[MemoryObj]) -> torch.cuda.Event | None:
-            return pipe.store_layer(layer, first if layer == 0 else [self._tensor(o) for o in objs])
+            return pipe.store_layer(layer, self._addresses(layer, objs, pieces, None))
 
         yield from self._stored_layers(memory_objs, queue, sync)
 
@@ -573,15 +650,16 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         """Layerwise load through :class:`LayerPipeline`, from the first layer's objects
         on: layer i's copies overlap layer i - 1's scatter."""
         pipe = self._pipeline(paged, slot_mapping, starts, ends, skips, store=False)
-        cached = any(skips)
+        moved = [t[skip:] if skip else t for t, skip in zip(full, skips, strict=True)]
+        pieces = self._pieces(objs, moved, pipe, paged.dtype)
+        fmt = self._fmt
         held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
         last = paged.num_layers - 1
         for layer in range(paged.num_layers):
             if layer:
                 objs = yield
-                full = self._sent(layer, objs, len(pipe.spans))
-            srcs = [t[skip:] if skip else t for t, skip in zip(full, skips, strict=True)] if cached else full
-            pipe.load_layer(layer, srcs, caller_waits=sync)  # compute on layer - 1 sees its KV
+            # compute on layer - 1 sees its KV
+            pipe.load_layer(layer, self._addresses(layer, objs, pieces, fmt), caller_waits=sync)
             self._hold_while_read(objs, held)
         yield
         if sync:
@@ -622,10 +700,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                     copies.copy(layer, full, to_cache=True)
                 else:
                     if rows is None:
-                        kept = [
-                            slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)
-                        ]
-                        rows = paged.layer_rows(torch.cat(kept) if kept else slot_mapping[:0])
+                        rows = paged.layer_rows(_kept_slots(slot_mapping, starts, ends, skips))
                     srcs = [t[skip:] for t, skip in zip(full, skips, strict=True)]
                     self._scatter_layer(paged, batch, layer, rows, srcs, spans, total, k)
                 batch.mark()

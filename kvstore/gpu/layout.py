@@ -150,10 +150,13 @@ class PagedLayout:
         """
         slots = slots.to(torch.int64)
         k_stride, block = self.row_terms()
-        rows = torch.stack([row_index(slots, k, k_stride, block, self.kv_size) for k in range(self.kv_size)])
+        # row_index in few kernels (this runs once per request, before its first copy):
+        # (slot // block) * block * kv_size + slot % block == slot + (slot // block) * block * (kv_size - 1)
+        base = slots.add(slots // block, alpha=block * (self.kv_size - 1)) if block else slots
+        planes = [base] + [base + k * k_stride for k in range(1, self.kv_size)]
         if token_major:
-            return rows.t().reshape(-1)
-        return rows
+            return torch.stack(planes, dim=1).view(-1)
+        return torch.stack(planes)
 
 
 def row_index(slot, k: int, k_stride: int, block: int, kv_size: int):

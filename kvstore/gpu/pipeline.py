@@ -3,13 +3,21 @@
 while its neighbour's copies are on the PCIe bus.
 
 Owns, for one request: the token-major row indices, two device scratch buffers (layer
-``i`` uses buffer ``i % 2``) with one view per chunk made once, and the per-layer events
-that order the two streams, the caller's stream and the host; per layer, the handful of
-calls a store or load makes. A layer's copies of LMCache-sized chunks take ~85 us on an
-H100 and each torch call costs the host 1-9 us, so nothing here is computed per layer
-that can be computed per request (see ``benchmarks/bench_gpu_layerwise.py``).
+``i`` uses buffer ``i % 2``) with each chunk's address in them worked out once, and the
+per-layer events that order the two streams, the caller's stream and the host; per
+layer, the handful of calls a store or load makes. A layer's copies of LMCache-sized
+chunks take ~85 us on an H100 and each torch call costs the host 1-9 us, so nothing here
+is computed per layer that can be computed per request, and the copies, records and
+waits go to the driver on raw handles (kvstore.gpu.driver, ~1 us each); only the gather
+or scatter kernel is a torch call (see ``benchmarks/bench_gpu_layerwise.py``).
 
-Ordering (CUDA; on CPU every call runs inline, in order, and no events are made):
+Chunks are passed as addresses: ``store_layer`` / ``load_layer`` take, per chunk, the
+address of ``chunk_bytes[c]`` contiguous bytes in page-locked host memory (LMCache's
+pool) or device memory; the caller has checked each object's size, shape and dtype and
+keeps it alive until the layer's event completes.
+
+Ordering (CUDA; on CPU every call runs inline, in order, copies are ``memmove`` and no
+events are made):
 
 * store, layer i: kernel stream waits for the caller's stream (the attention that wrote
   the layer) and for the copies of layer i - 2 (which read the same scratch buffer);
@@ -26,10 +34,12 @@ pageable-memory staging (kvstore.gpu.transfer), index arithmetic (kvstore.gpu.la
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import torch
 
+from kvstore.gpu.driver import DriverCalls
 from kvstore.gpu.paged import PagedKVCache
 from kvstore.gpu.staging import DeviceScratch
 from kvstore.gpu.transfer import CopyStream
@@ -38,11 +48,12 @@ __all__ = ["LayerPipeline"]
 
 
 class LayerPipeline:
-    """One request's layerwise copies between paged caches and per-chunk tensors.
+    """One request's layerwise copies between paged caches and per-chunk host memory.
 
     ``spans``: each chunk's ``[a, b)`` in the request's kept tokens (the rows of
     ``rows`` are ``kv_size`` per token, token-major); ``copies`` runs the chunk copies and
-    ``kernels`` the gather/scatter kernels; ``scratch`` holds the two device buffers.
+    ``kernels`` the gather/scatter kernels; ``scratch`` holds the two device buffers;
+    ``driver``: the driver calls (required on CUDA, unused on CPU).
     """
 
     def __init__(
@@ -54,6 +65,7 @@ class LayerPipeline:
         copies: CopyStream,
         kernels: CopyStream,
         scratch: Sequence[DeviceScratch],
+        driver: DriverCalls | None = None,
     ) -> None:
         self.paged = paged
         self.rows = rows
@@ -61,90 +73,107 @@ class LayerPipeline:
         total = self.spans[-1][1] if self.spans else 0
         shape = paged.layout.layer_chunk_shape(total)
         self._buffers = [s.get(shape, paged.dtype) for s in scratch[:2]]
-        self._views = [[buf[a:b] for a, b in self.spans] for buf in self._buffers]
+        views = [[buf[a:b] for a, b in self.spans] for buf in self._buffers]
+        self.chunk_bytes = [v.numel() * v.element_size() for v in views[0]]
+        """Bytes of each chunk's piece of one layer (what an address passed in must hold)."""
+        self._addresses = [[v.data_ptr() for v in vs] for vs in views]
         self._words = [paged.layer_words(buf, total) for buf in self._buffers]
         self._index = paged.device.index if paged.device.index is not None else 0
         self._done = copies.events(paged.num_layers, "done")
         self._ready = kernels.events(paged.num_layers, "ready")
         self._moved = kernels.events(paged.num_layers, "moved")
-        self._copy_stream, self._kernel_stream = copies.stream, kernels.stream
-        caller = torch.cuda.current_stream(self._index) if copies.is_async else None
+        self._driver: DriverCalls | None = None
+        copy_stream, kernel_stream = copies.stream, kernels.stream
+        if copy_stream is None or kernel_stream is None:
+            return
+        if driver is None:
+            raise ValueError("a CUDA layer pipeline needs the driver calls (kvstore.gpu.driver)")
+        self._driver = driver
+        self._kernel_stream = kernel_stream
+        self._copy_h, self._kernel_h = copy_stream.cuda_stream, kernel_stream.cuda_stream
+        self._done_h = [e.cuda_event for e in self._done]
+        self._ready_h = [e.cuda_event for e in self._ready]
+        self._moved_h = [e.cuda_event for e in self._moved]
+        caller = torch.cuda.current_stream(self._index)
         # Device memory made or last used on other streams is used on both from here on,
         # and this request's kernels and copies come after everything queued so far on
         # the caller's stream and on each other's (earlier requests' copies included).
         for t in (*self._buffers, rows):
             copies.keep(t)
             kernels.keep(t)
-        if self._copy_stream is not None and self._kernel_stream is not None and caller is not None:
-            for a, b in ((self._copy_stream, self._kernel_stream), (self._kernel_stream, self._copy_stream)):
-                a.wait_stream(caller)
-                a.wait_stream(b)
+        for a, b in ((copy_stream, kernel_stream), (kernel_stream, copy_stream)):
+            a.wait_stream(caller)
+            a.wait_stream(b)
 
-    # -- store: paged cache -> tensors --------------------------------------------------
+    def _copy_inline(self, dsts: Sequence[int], srcs: Sequence[int]) -> None:
+        for dst, src, n in zip(dsts, srcs, self.chunk_bytes, strict=True):
+            if n:
+                ctypes.memmove(dst, src, n)
 
-    def store_layer(self, layer: int, dsts: Sequence[torch.Tensor]) -> torch.cuda.Event | None:
-        """Queue layer ``layer``'s gather and copies into ``dsts`` (one per chunk, in
-        ``spans`` order); the returned event marks them complete."""
+    # -- store: paged cache -> host memory ----------------------------------------------
+
+    def store_layer(self, layer: int, dsts: Sequence[int]) -> torch.cuda.Event | None:
+        """Queue layer ``layer``'s gather and its copies to ``dsts`` (one address per
+        chunk, in ``spans`` order, ``chunk_bytes`` each); the returned event marks them
+        complete."""
         b = layer % 2
-        kernel, copy = self._kernel_stream, self._copy_stream
-        if kernel is None or copy is None:  # CPU: inline
+        drv = self._driver
+        if drv is None:  # CPU: inline
             self.paged.gather_words(layer, self.rows, self._words[b])
-            for dst, view in zip(dsts, self._views[b], strict=True):
-                dst.copy_(view)
+            self._copy_inline(dsts, self._addresses[b])
             return None
-        ready, gathered, done = self._ready[layer], self._moved[layer], self._done[layer]
+        kernel_h, copy_h = self._kernel_h, self._copy_h
         caller = torch.cuda.current_stream(self._index)
-        ready.record(caller)  # after the attention that wrote this layer
-        kernel.wait_event(ready)
+        drv.record(self._ready_h[layer], caller.cuda_stream)  # after the attention that wrote it
+        drv.wait(kernel_h, self._ready_h[layer])
         if layer >= 2:
-            kernel.wait_event(self._done[layer - 2])  # whose copies read this buffer
-        torch.cuda.set_stream(kernel)
+            drv.wait(kernel_h, self._done_h[layer - 2])  # whose copies read this buffer
+        torch.cuda.set_stream(self._kernel_stream)
         try:
             self.paged.gather_words(layer, self.rows, self._words[b])
-            gathered.record(kernel)
-            copy.wait_event(gathered)
-            torch.cuda.set_stream(copy)
-            for dst, view in zip(dsts, self._views[b], strict=True):
-                dst.copy_(view, non_blocking=True)
-            done.record(copy)
         finally:
             torch.cuda.set_stream(caller)
-        return done
+        gathered = self._moved_h[layer]
+        drv.record(gathered, kernel_h)
+        drv.wait(copy_h, gathered)
+        for dst, src, n in zip(dsts, self._addresses[b], self.chunk_bytes, strict=True):
+            if n:
+                drv.copy(dst, src, n, copy_h)
+        drv.record(self._done_h[layer], copy_h)
+        return self._done[layer]
 
-    # -- load: tensors -> paged cache ---------------------------------------------------
+    # -- load: host memory -> paged cache -----------------------------------------------
 
-    def load_layer(
-        self, layer: int, srcs: Sequence[torch.Tensor], *, caller_waits: bool = False
-    ) -> torch.cuda.Event | None:
-        """Queue the copies of ``srcs`` (one per chunk, in ``spans`` order) and layer
-        ``layer``'s scatter; the returned event marks the scatter complete.
-        ``caller_waits``: first make the caller's stream wait for layer ``layer - 1``
-        (the engine computes that layer next)."""
+    def load_layer(self, layer: int, srcs: Sequence[int], *, caller_waits: bool = False) -> torch.cuda.Event | None:
+        """Queue the copies from ``srcs`` (one address per chunk, in ``spans`` order,
+        ``chunk_bytes`` each) and layer ``layer``'s scatter; the returned event marks the
+        scatter complete. ``caller_waits``: first make the caller's stream wait for layer
+        ``layer - 1`` (the engine computes that layer next)."""
         b = layer % 2
-        kernel, copy = self._kernel_stream, self._copy_stream
-        if kernel is None or copy is None:  # CPU: inline
-            for src, view in zip(srcs, self._views[b], strict=True):
-                view.copy_(src)
+        drv = self._driver
+        if drv is None:  # CPU: inline
+            self._copy_inline(self._addresses[b], srcs)
             self.paged.scatter_words(layer, self.rows, self._words[b])
             return None
-        moved, done = self._moved[layer], self._done[layer]
+        kernel_h, copy_h = self._kernel_h, self._copy_h
         caller = torch.cuda.current_stream(self._index)
         if caller_waits and layer:
-            caller.wait_event(self._done[layer - 1])
+            drv.wait(caller.cuda_stream, self._done_h[layer - 1])
         if layer >= 2:
-            copy.wait_event(self._done[layer - 2])  # whose scatter read this buffer
-        torch.cuda.set_stream(copy)
+            drv.wait(copy_h, self._done_h[layer - 2])  # whose scatter read this buffer
+        for dst, src, n in zip(self._addresses[b], srcs, self.chunk_bytes, strict=True):
+            if n:
+                drv.copy(dst, src, n, copy_h)
+        moved = self._moved_h[layer]
+        drv.record(moved, copy_h)
+        drv.wait(kernel_h, moved)
+        torch.cuda.set_stream(self._kernel_stream)
         try:
-            for src, view in zip(srcs, self._views[b], strict=True):
-                view.copy_(src, non_blocking=True)
-            moved.record(copy)
-            kernel.wait_event(moved)
-            torch.cuda.set_stream(kernel)
             self.paged.scatter_words(layer, self.rows, self._words[b])
-            done.record(kernel)
         finally:
             torch.cuda.set_stream(caller)
-        return done
+        drv.record(self._done_h[layer], kernel_h)
+        return self._done[layer]
 
     def caller_waits(self, layer: int) -> None:
         """The caller's current stream waits for layer ``layer``'s transfer (a no-op on CPU)."""

@@ -67,12 +67,15 @@ class CopyStream:
     def events(self, n: int, tag: str) -> list[torch.cuda.Event]:
         """``n`` events kept under ``tag`` for reuse (made once; each request re-records
         them, which is safe: a wait takes the record in place when the wait is queued);
-        none on CPU."""
+        none on CPU. Each is recorded once when made, so its ``cuda_event`` handle exists
+        (torch creates the CUDA event at its first record)."""
         if self.stream is None:
             return []
         have = self._events.setdefault(tag, [])
         while len(have) < n:
-            have.append(torch.cuda.Event())
+            event = torch.cuda.Event()
+            event.record(self.stream)
+            have.append(event)
         return have[:n]
 
     def synchronize(self) -> None:

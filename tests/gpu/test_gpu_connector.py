@@ -207,6 +207,45 @@ def test_layerwise_load_skips_vllm_cached_tokens_and_checks_send(layer_path):
         gen.send(objs[0][:2])
 
 
+def test_pipeline_refuses_a_later_layer_object_unlike_the_first():
+    """The pipeline copies by address, sized from the first layer's objects: an object of a
+    later layer that is shorter, in another format (loads) or invalidated is refused
+    before any byte moves, and nothing past an object is read or written."""
+    caches, slots, starts, ends = _sequence("flash_attn", seed=12)
+    dtype = caches[0].dtype
+    store = LayerwisePagedKVConnector(caches)
+    objs = _layer_objs(store, starts, ends, dtype)
+    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots):
+        pass
+
+    def short() -> object:
+        return ALLOC.allocate(store.get_shape(ends[0] - starts[0] - 1), dtype, fmt=MemoryFormat.KV_T2D)
+
+    other_fmt = ALLOC.allocate(store.get_shape(ends[0] - starts[0]), dtype, fmt=MemoryFormat.KV_2LTD)
+    gone = ALLOC.allocate(store.get_shape(ends[0] - starts[0]), dtype, fmt=MemoryFormat.KV_T2D)
+    gone.invalidate()
+    fresh = make_caches("flash_attn", fill="zeros")
+    for bad in (short(), other_fmt, gone):
+        load = LayerwisePagedKVConnector(fresh, pipeline=True)
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=slots)
+        next(gen)
+        gen.send(objs[0])
+        with pytest.raises(ValueError, match="must be alike"):
+            gen.send([bad, *objs[1][1:]])
+    assert torch.count_nonzero(PagedKVCache(fresh).gather(slots)[:, 1:]) == 0
+
+    bad = short()
+    bad.tensor.fill_(1.5)
+    before = bad.tensor.clone()
+    layers = [list(layer) for layer in objs]
+    layers[2][0] = bad
+    gen = LayerwisePagedKVConnector(caches, pipeline=True).batched_from_gpu(layers, starts, ends, slot_mapping=slots)
+    with pytest.raises(ValueError, match="must be alike"):
+        for _ in gen:
+            pass
+    assert torch.equal(bad.tensor, before)
+
+
 def test_layerwise_single_chunk_calls_are_refused():
     conn = LayerwisePagedKVConnector(make_caches("flash_attn"))
     with pytest.raises(NotImplementedError, match="generator"):
