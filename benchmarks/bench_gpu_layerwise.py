@@ -15,24 +15,32 @@ times, interleaved in one process on the geometry of ``bench_gpu_connector.py``:
                 waits per layer);
 ``connector``   ``LayerwisePagedKVConnector`` as LMCache's engine drives it (sync=True):
                 the two-stream pipeline of ``kvstore.gpu.pipeline``;
+``connector, sync=False``  the same with no host waits between layers;
 ``connector, one stream``  the same with ``pipeline=False`` (gather/scatter and copies on
                 one stream, the path before the pipeline);
-``issue only``  the connector with sync=False, host time only: what Python costs per layer.
+``issue only``  the connector with sync=False, host time only (a load's includes its
+                final wait for the last layer).
 
-and the host cost (median microseconds) of each call a layer makes. Ratios are
-``t(copy_) / t(mode)`` per interleaved pair, min / median / max.
+and the host cost (median microseconds) of each call a layer makes, the driver calls the
+pipeline makes instead of torch's, and a request's set-up (until its first layer is
+queued). Ratios are ``t(copy_) / t(mode)`` per interleaved pair, min / median / max.
+``--trace DIR`` also writes a chrome trace of one pass of ``pieces`` and the connector per
+direction and prints how long the copy engine sat idle between copies, and how much of
+that next to a gather or scatter kernel.
 
-    PYTHONPATH=$PWD python3 benchmarks/bench_gpu_layerwise.py [--repeats 21] [--json F]
+    PYTHONPATH=$PWD:$PWD/benchmarks python3 benchmarks/bench_gpu_layerwise.py [--repeats 21] [--json F] [--trace DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any
 
 import torch
 from bench_gpu_connector import _memobj, add_geometry, request
@@ -40,6 +48,7 @@ from lmcache.v1.memory_management import MemoryFormat
 
 from kvstore.gpu import PagedKVCache
 from kvstore.gpu.connector import LayerwisePagedKVConnector
+from kvstore.gpu.driver import driver_calls
 
 
 def _sync(cuda: bool) -> None:
@@ -66,6 +75,88 @@ def _host_us(fn: Callable[[], object], cuda: bool, calls: int = 200) -> float:
         samples.append((time.perf_counter() - t0) / calls * 1e6)
         _sync(cuda)
     return statistics.median(samples)
+
+
+def _started(gen: Generator[None, Any, None]) -> Generator[None, Any, None]:
+    next(gen)
+    return gen
+
+
+def _first_layer_us(
+    start: Callable[[], Generator[None, Any, None]],
+    finish: Callable[[Generator[None, Any, None]], object],
+    repeats: int = 21,
+) -> float:
+    """Median host microseconds of ``start()`` (a request's set-up and its first layer
+    queued, CUDA), the rest of the request finished by ``finish`` outside the clock."""
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen = start()
+        samples.append(time.perf_counter() - t0)
+        finish(gen)
+        torch.cuda.synchronize()
+    return statistics.median(samples) * 1e6
+
+
+def _copy_gaps(path: str) -> dict[str, float]:
+    """From a chrome trace of one pass: the copies' span, how long the copy engine was
+    busy, and the idle time between consecutive copies (all of it, and the part where a
+    kernel ran in the gap) in microseconds."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    copies = sorted((e for e in events if e.get("cat") == "gpu_memcpy"), key=lambda e: e["ts"])
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not copies:
+        return {}
+    busy = sum(e["dur"] for e in copies)
+    span = copies[-1]["ts"] + copies[-1]["dur"] - copies[0]["ts"]
+    gaps = [b["ts"] - (a["ts"] + a["dur"]) for a, b in itertools.pairwise(copies)]
+    with_kernel = 0.0
+    for (a, b), g in zip(itertools.pairwise(copies), gaps, strict=True):
+        lo, hi = a["ts"] + a["dur"], b["ts"]
+        if any(lo <= k["ts"] + k["dur"] and k["ts"] <= hi for k in kernels):
+            with_kernel += g
+    big = sorted(gaps)[-5:]
+    return {
+        "copies": len(copies),
+        "span_us": span,
+        "busy_us": busy,
+        "idle_us": span - busy,
+        "idle_next_to_kernel_us": with_kernel,
+        "median_gap_us": statistics.median(gaps) if gaps else 0.0,
+        "largest_gaps_us": big,  # type: ignore[dict-item]
+        "median_copy_us": statistics.median(e["dur"] for e in copies),
+    }
+
+
+def _trace(folder: str, fns: dict[str, Callable[[], None]]) -> dict[str, dict[str, float]]:
+    """One profiled pass of each of ``fns`` (after a warm one), its chrome trace written
+    to ``folder``, and the copy engine's busy and idle time printed."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    out = {}
+    for name, fn in fns.items():
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        path = os.path.join(folder, name.replace(" ", "_") + ".json")
+        prof.export_chrome_trace(path)
+        out[name] = gaps = _copy_gaps(path)
+        print(
+            f"trace {name:<17} {gaps.get('copies', 0):4.0f} copies  span {gaps.get('span_us', 0):8.1f} us  "
+            f"busy {gaps.get('busy_us', 0):8.1f}  idle {gaps.get('idle_us', 0):7.1f} "
+            f"(next to a kernel {gaps.get('idle_next_to_kernel_us', 0):7.1f})  median gap "
+            f"{gaps.get('median_gap_us', 0):5.1f}  largest {gaps.get('largest_gaps_us')}  "
+            f"median copy {gaps.get('median_copy_us', 0):5.1f} us"
+        )
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -194,6 +285,7 @@ def run(args: argparse.Namespace) -> dict:
                 "pieces/2": pieces(True, True),
                 "minimal": minimal_store,
                 "connector": conn_store,
+                "connector, sync=False": lambda: conn_store(False),
                 "connector, one stream": lambda: conn_store(True, single),
             },
         ),
@@ -204,6 +296,7 @@ def run(args: argparse.Namespace) -> dict:
                 "pieces/2": pieces(False, True),
                 "minimal": minimal_load,
                 "connector": conn_load,
+                "connector, sync=False": lambda: conn_load(False),
                 "connector, one stream": lambda: conn_load(True, single),
             },
         ),
@@ -248,6 +341,20 @@ def run(args: argparse.Namespace) -> dict:
     _sync(cuda)
     assert torch.equal(PagedKVCache(fresh_copy).gather(slots), PagedKVCache(caches).gather(slots))
 
+    traces: dict[str, dict[str, float]] = {}
+    if cuda and args.trace:
+        traces = _trace(
+            args.trace,
+            {
+                "store pieces": pieces(True, False),
+                "store connector": conn_store,
+                "store sync=False": lambda: conn_store(False),
+                "load pieces": pieces(False, False),
+                "load connector": conn_load,
+                "load sync=False": lambda: conn_load(False),
+            },
+        )
+
     # -- host cost per call ----------------------------------------------------------
     host: dict[str, float] = {}
     if cuda:
@@ -273,9 +380,37 @@ def run(args: argparse.Namespace) -> dict:
             lambda: (torch.cuda.set_stream(side), torch.cuda.set_stream(torch.cuda.default_stream())), cuda
         )
         ev = torch.cuda.Event()
+        ev.record()
         host["existing event.record()"] = _host_us(ev.record, cuda)
         host["stream.wait_event(ev)"] = _host_us(lambda: side.wait_event(ev), cuda)
+        host["connector store: request set-up + layer 0 queued"] = _first_layer_us(
+            lambda: _started(conn.batched_from_gpu(objs, starts, ends, kvcaches=caches, slot_mapping=slots, sync=False)),
+            lambda gen: [None for _ in gen],
+        )
+
+        def load_started():
+            gen = conn.batched_to_gpu(starts, ends, kvcaches=fresh, slot_mapping=slots, sync=False)
+            next(gen)
+            gen.send(objs[0])
+            return gen
+
+        def load_finish(gen):
+            for li in range(1, args.layers):
+                gen.send(objs[li])
+            next(gen)
+
+        host["connector load: request set-up + layer 0 queued"] = _first_layer_us(load_started, load_finish)
         host["obj.tensor (LMCache)"] = _host_us(lambda: objs[0][0].tensor, cuda)
+        host["obj.metadata + obj.data_ptr (LMCache)"] = _host_us(
+            lambda: (objs[0][0].metadata, objs[0][0].data_ptr), cuda
+        )
+        drv = driver_calls()
+        if drv is not None:
+            dp, hp, n = d.data_ptr(), h.data_ptr(), h.numel() * h.element_size()
+            sh, eh = side.cuda_stream, ev.cuda_event
+            host["driver: cuMemcpyAsync 1 piece H2D"] = _host_us(lambda: drv.copy(dp, hp, n, sh), cuda)
+            host["driver: cuEventRecord"] = _host_us(lambda: drv.record(eh, sh), cuda)
+            host["driver: cuStreamWaitEvent"] = _host_us(lambda: drv.wait(sh, eh), cuda)
         host["is_pinned()"] = _host_us(h.is_pinned, cuda)
         host["completed event.synchronize()"] = _host_us(done.synchronize, cuda)
         host["scratch[a:b] slice"] = _host_us(lambda: scratch[256:512], cuda)
@@ -301,6 +436,7 @@ def run(args: argparse.Namespace) -> dict:
         "pieces": args.layers * args.chunks,
         "results": results,
         "host_us": host,
+        "trace": traces,
     }
 
 
@@ -310,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--profile", action="store_true", help="cProfile the connector's passes (CUDA)")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--trace", help="CUDA: write a chrome trace of one pass of each mode to this folder")
     args = p.parse_args(argv)
     args.layout = "flash_attn"
     report = run(args)

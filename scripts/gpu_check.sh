@@ -9,7 +9,9 @@
 #   bash scripts/gpu_check.sh            # results and logs in $OUT (default /tmp/kvstore-gpu-check)
 #
 # Needs python3 with torch (CUDA build), lmcache and pytest; kvstore is used from this
-# checkout. Prints a summary table last; exits non-zero when a test or benchmark failed.
+# checkout. A machine with no network needs lmcache and what it lacks there as wheels
+# (docs/benchmarks/gpu.md lists the nine a lent H200 lacked). The layerwise run also
+# writes chrome traces of one pass per mode to $OUT/trace. Prints a summary table last; exits non-zero when a test or benchmark failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kvstore-gpu-check}
@@ -48,7 +50,7 @@ done
 
 echo "== bench_gpu_layerwise.py" | tee -a "$OUT/bench.log"
 timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_gpu_layerwise.py --repeats "${REPEATS:-21}" \
-  --json "$OUT/json/layerwise.json" 2>&1 | grep -v " INFO" | tee -a "$OUT/bench.log"
+  --json "$OUT/json/layerwise.json" --trace "$OUT/trace" 2>&1 | grep -v " INFO" | tee -a "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 tar -C "$OUT" -czf "$OUT/bench_json.tgz" json && rm -rf "$OUT/json"
