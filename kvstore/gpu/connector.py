@@ -33,6 +33,7 @@ Must not touch: index arithmetic (kvstore.gpu.layout), storage, policy.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ from lmcache.v1.gpu_connector.gpu_connectors import (
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from kvstore.gpu.direct import DirectCopier, LayerCopies, TokenSpans
-from kvstore.gpu.driver import driver_calls
+from kvstore.gpu.driver import DriverCalls, driver_calls
 from kvstore.gpu.layout import KVLayout
 from kvstore.gpu.paged import PagedKVCache
 from kvstore.gpu.pipeline import LayerPipeline
@@ -53,6 +54,8 @@ from kvstore.gpu.staging import DeviceScratch, PinnedPool
 from kvstore.gpu.transfer import CopyStream, HostBatch
 
 __all__ = ["LayerwisePagedKVConnector", "PagedKVConnector", "make_connector"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,16 @@ def _kept_slots(
     slot_mapping: torch.Tensor, starts: Sequence[int], ends: Sequence[int], skips: Sequence[int]
 ) -> torch.Tensor:
     """The slots of the tokens a request moves (chunk ``i``: ``starts[i] + skips[i]`` to
-    ``ends[i]``), in order: a view when they are one run (no skips, chunks back to back,
-    as LMCache sends them), else one ``cat``."""
+    ``ends[i]``), in order: a view of a device slot mapping when they are one run (no
+    skips, chunks back to back, as LMCache sends them), else a copy (``cat``): a host
+    slot mapping is one vLLM refills, and its copy to the device may be asynchronous."""
     if not starts:
         return slot_mapping[:0]
-    if not any(skips) and all(e == s for e, s in zip(ends[:-1], starts[1:], strict=True)):
+    if (
+        slot_mapping.is_cuda
+        and not any(skips)
+        and all(e == s for e, s in zip(ends[:-1], starts[1:], strict=True))
+    ):
         return slot_mapping[starts[0] : ends[-1]]
     return torch.cat([slot_mapping[s + skip : e] for s, e, skip in zip(starts, ends, skips, strict=True)])
 
@@ -366,6 +374,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
     ) -> None:
         super().__init__(kv_caches, **kwargs)
         self.pipeline = pipeline
+        self._warned_no_driver = False
         # Second stream and second scratch buffer of each direction's pipeline.
         self.store_kernels = CopyStream(self.device)
         self.load_kernels = CopyStream(self.device)
@@ -463,13 +472,28 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         """Whether a request whose first layer's objects are ``tensors`` takes the
         two-stream pipeline (decided once per request, from its first layer)."""
         if self.pipeline is not None:
-            return self.pipeline and not self.stage_all
-        return (
-            self.store_copies.is_async
-            and not self.stage_all
-            and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
-            and driver_calls() is not None
-        )
+            wanted = self.pipeline and not self.stage_all
+        else:
+            wanted = (
+                self.store_copies.is_async
+                and not self.stage_all
+                and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+            )
+        if wanted and self.store_copies.is_async and self._driver() is None:
+            if not self._warned_no_driver:
+                self._warned_no_driver = True
+                log.warning(
+                    "kvstore gpu: layerwise transfers take the single-stream path: the pipeline "
+                    "needs cuda.bindings (pip install cuda-python) and the CUDA context of %s "
+                    "current on the calling thread",
+                    self.device,
+                )
+            return False
+        return wanted
+
+    def _driver(self) -> DriverCalls | None:
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return driver_calls(index)
 
     def _pipeline(
         self,
@@ -491,7 +515,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             scratch=(self._store_scratch, self._store_scratch_b)
             if store
             else (self._load_scratch, self._load_scratch_b),
-            driver=driver_calls() if self.store_copies.is_async else None,
+            driver=self._driver() if self.store_copies.is_async else None,
         )
 
     @staticmethod
@@ -519,8 +543,8 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         layer: int, objs: Sequence[MemoryObj] | None, pieces: Sequence[_Piece], fmt: MemoryFormat | None
     ) -> list[int]:
         """The address of each chunk's piece in ``objs`` (layer ``layer``), after checking
-        each object is alive and shaped as the first layer's (and in ``fmt``, if given),
-        so no copy reads or writes past an object."""
+        each object is valid (not invalidated) and shaped as the first layer's (and in
+        ``fmt``, if given), so no copy reads or writes past an object."""
         if objs is None or len(objs) != len(pieces):
             raise ValueError(
                 f"layer {layer}: send() {len(pieces)} memory objects (one per chunk), got "

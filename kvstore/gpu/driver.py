@@ -70,14 +70,15 @@ class DriverCalls:
         if err:
             raise self._failed("cuStreamWaitEvent", err)
 
-    def has_context(self) -> bool:
-        """Whether the calling thread has a current CUDA context (torch makes the
-        device's primary context current on a thread once it runs CUDA work there)."""
+    def context_device(self) -> int | None:
+        """The device of the calling thread's current CUDA context, or None when it has
+        none (torch makes a device's primary context current on a thread once it runs
+        CUDA work there). Raw handles, the null stream above all, act in that context."""
         err, ctx = self._driver.cuCtxGetCurrent()
-        if err or ctx is None:
-            return False
-        ptr = ctx.getPtr() if hasattr(ctx, "getPtr") else int(ctx)
-        return ptr != 0
+        if err or ctx is None or int(ctx) == 0:  # int(): the handle (getPtr() is the wrapper's)
+            return None
+        err, dev = self._driver.cuCtxGetDevice()
+        return None if err else int(dev)
 
 
 @functools.cache
@@ -89,16 +90,16 @@ def _bindings() -> Any:
     return driver
 
 
-def driver_calls() -> DriverCalls | None:
-    """The driver calls for this thread, or ``None`` when ``cuda.bindings`` is not
-    installed or the thread has no current CUDA context (callers then keep torch's
-    copies)."""
+def driver_calls(device: int) -> DriverCalls | None:
+    """The driver calls for work on CUDA device ``device`` from this thread, or ``None``
+    when ``cuda.bindings`` is not installed or the thread's current CUDA context is not
+    that device's (none, or another device's): callers then keep torch's copies."""
     driver = _bindings()
     if driver is None:
         return None
     calls = _instance(driver)
     try:
-        return calls if calls.has_context() else None
+        return calls if calls.context_device() == device else None
     except Exception:  # no driver library (a machine without a GPU): torch's copies
         return None
 

@@ -246,6 +246,20 @@ def test_pipeline_refuses_a_later_layer_object_unlike_the_first():
     assert torch.equal(bad.tensor, before)
 
 
+def test_kept_slots_copy_a_host_slot_mapping():
+    """A host slot mapping is a buffer vLLM refills: what a request keeps of it is a copy
+    (a device one back to back is a view, no kernel)."""
+    from kvstore.gpu.connector import _kept_slots
+
+    sm = torch.arange(20)
+    got = _kept_slots(sm, [0, 4, 8], [4, 8, 12], [0, 0, 0])
+    assert torch.equal(got, sm[:12])
+    sm.fill_(-1)
+    assert torch.equal(got, torch.arange(12))
+    assert torch.equal(_kept_slots(torch.arange(20), [0, 8], [4, 12], [1, 0]), torch.tensor([1, 2, 3, 8, 9, 10, 11]))
+    assert _kept_slots(torch.arange(20), [], [], []).numel() == 0
+
+
 def test_layerwise_single_chunk_calls_are_refused():
     conn = LayerwisePagedKVConnector(make_caches("flash_attn"))
     with pytest.raises(NotImplementedError, match="generator"):
