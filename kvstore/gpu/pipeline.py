@@ -69,19 +69,16 @@ class LayerPipeline:
     ) -> None:
         self.paged = paged
         self.rows = rows
-        self.spans = list(spans)
-        total = self.spans[-1][1] if self.spans else 0
+        total = spans[-1][1] if spans else 0
         shape = paged.layout.layer_chunk_shape(total)
         self._buffers = [s.get(shape, paged.dtype) for s in scratch[:2]]
-        views = [[buf[a:b] for a, b in self.spans] for buf in self._buffers]
+        views = [[buf[a:b] for a, b in spans] for buf in self._buffers]
         self.chunk_bytes = [v.numel() * v.element_size() for v in views[0]]
         """Bytes of each chunk's piece of one layer (what an address passed in must hold)."""
         self._addresses = [[v.data_ptr() for v in vs] for vs in views]
         self._words = [paged.layer_words(buf, total) for buf in self._buffers]
         self._index = paged.device.index if paged.device.index is not None else 0
-        self._done = copies.events(paged.num_layers, "done")
-        self._ready = kernels.events(paged.num_layers, "ready")
-        self._moved = kernels.events(paged.num_layers, "moved")
+        self._done = copies.events(paged.num_layers, "done")  # returned, waited for by torch
         self._driver: DriverCalls | None = None
         copy_stream, kernel_stream = copies.stream, kernels.stream
         if copy_stream is None or kernel_stream is None:
@@ -92,8 +89,8 @@ class LayerPipeline:
         self._kernel_stream = kernel_stream
         self._copy_h, self._kernel_h = copy_stream.cuda_stream, kernel_stream.cuda_stream
         self._done_h = [e.cuda_event for e in self._done]
-        self._ready_h = [e.cuda_event for e in self._ready]
-        self._moved_h = [e.cuda_event for e in self._moved]
+        self._ready_h = [e.cuda_event for e in kernels.events(paged.num_layers, "ready")]
+        self._moved_h = [e.cuda_event for e in kernels.events(paged.num_layers, "moved")]
         caller = torch.cuda.current_stream(self._index)
         # Device memory made or last used on other streams is used on both from here on,
         # and this request's kernels and copies come after everything queued so far on
