@@ -21,9 +21,10 @@ read stops every write into the destination at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,6 +95,14 @@ class Manifest(bytes):
     """A small value that announced itself as a multi-part manifest (the caller decodes it)."""
 
 
+@dataclass
+class _Lease:
+    """A pooled socket lent for one command; ``whole``: its reply was read to the end."""
+
+    sock: socket.socket
+    whole: bool = False
+
+
 class RespStreams:
     """Raw RESP connections for streamed GETs; at most `size` idle ones are kept."""
 
@@ -143,14 +152,19 @@ class RespStreams:
             raise
         return sock
 
-    async def _take(self) -> socket.socket:
-        return self._idle.pop() if self._idle else await self._connect()
-
-    def _give(self, sock: socket.socket) -> None:
-        if len(self._idle) < self.size:
-            self._idle.append(sock)
-        else:
-            sock.close()
+    @contextlib.asynccontextmanager
+    async def _lease(self) -> AsyncIterator[_Lease]:
+        """An idle socket (or a new one) for one command; it goes back to the pool only
+        when the body marked its reply read whole (``lease.whole``), else it is closed:
+        a socket left mid-reply would hand its rest to the next command."""
+        lease = _Lease(self._idle.pop() if self._idle else await self._connect())
+        try:
+            yield lease
+        finally:
+            if lease.whole and len(self._idle) < self.size:
+                self._idle.append(lease.sock)
+            else:
+                lease.sock.close()
 
     def close(self) -> None:
         for s in self._idle:
@@ -164,21 +178,15 @@ class RespStreams:
         loop = asyncio.get_running_loop()
         n = sum(p.nbytes for p in parts)
         head, tail = _set_around(key, n, px)
-        sock = await self._take()
-        whole = False
-        try:
+        async with self._lease() as lease:
+            sock = lease.sock
             await loop.sock_sendall(sock, head)
             for part in parts:
                 await loop.sock_sendall(sock, part)
             await loop.sock_sendall(sock, tail)
             line = await _read_line(loop, sock)
-            whole = True
+            lease.whole = True
             return line == b"+OK"
-        finally:
-            if whole:
-                self._give(sock)
-            else:
-                sock.close()
 
     async def stream_set_patched(
         self,
@@ -202,9 +210,8 @@ class RespStreams:
         loop = asyncio.get_running_loop()
         n = sum(p.nbytes for p in parts)
         head, tail = _set_around(tmp, n, tmp_px)
-        sock = await self._take()
-        whole = False
-        try:
+        async with self._lease() as lease:
+            sock = lease.sock
             await loop.sock_sendall(sock, head)
             await loop.sock_sendall(sock, parts[0])
             crc = 0
@@ -222,27 +229,21 @@ class RespStreams:
             )
             stored = await _read_line(loop, sock)
             published = await _read_line(loop, sock)
-            whole = True
-            for reply in (stored, published):
-                if refuses_the_way(reply):
-                    raise PatchRefused(
-                        f"Redis refused a write under a temporary key ({reply[1:161].decode('utf-8', 'replace')})"
-                    )
-            return stored == b"+OK" and published == b":1"
-        finally:
-            if whole:
-                self._give(sock)
-            else:
-                sock.close()
+            lease.whole = True
+        for reply in (stored, published):
+            if refuses_the_way(reply):
+                raise PatchRefused(
+                    f"Redis refused a write under a temporary key ({reply[1:161].decode('utf-8', 'replace')})"
+                )
+        return stored == b"+OK" and published == b":1"
 
     # -- the read --------------------------------------------------------------------
     async def stream_get(self, key: bytes, sink: StreamSink, manifest_len: int) -> object:
         """GET `key` into what `sink` names; the sink's verdict, None when the key is
         absent or holds another type, or a `Manifest` (a multi-part value's manifest)."""
         loop = asyncio.get_running_loop()
-        sock = await self._take()
-        whole = False
-        try:
+        async with self._lease() as lease:
+            sock = lease.sock
             await loop.sock_sendall(sock, pack(b"GET", key))
             buf = bytearray(LINE_MAX + max(sink.head, manifest_len) + 2)
             mv = memoryview(buf)
@@ -253,20 +254,20 @@ class RespStreams:
                 have += await _recv(loop, sock, mv[have:LINE_MAX])
             line, pos = bytes(buf[:end]), end + 2
             if line.startswith(b"-"):  # e.g. WRONGTYPE: not a value of ours
-                whole = have == pos
+                lease.whole = have == pos
                 return None
             if not line.startswith(b"$"):
                 raise RespError(f"unexpected reply {line[:40]!r}")
             n = int(line[1:])
             if n < 0:
-                whole = have == pos
+                lease.whole = have == pos
                 return None
             total = n + 2  # the value and its trailing CRLF
             got = have - pos  # reply bytes after the length line received so far
             if n == manifest_len:
                 while got < total:
                     got += await _recv(loop, sock, mv[pos + got : pos + total])
-                whole = True
+                lease.whole = True
                 return Manifest(buf[pos : pos + n])
             want = min(n, sink.head)
             while got < want:
@@ -274,7 +275,7 @@ class RespStreams:
             where = sink.body(mv[pos : pos + want], n)
             if where is None:
                 await _drain(loop, sock, total - got)
-                whole = True
+                lease.whole = True
                 return sink.finish()
             dst, offset = where
             k = 0  # payload bytes in dst
@@ -289,13 +290,8 @@ class RespStreams:
                 sink.feed(dst[k : k + r])
                 k += r
             await _drain(loop, sock, total - max(got, offset + len(dst)))
-            whole = True
+            lease.whole = True
             return sink.finish()
-        finally:
-            if whole:
-                self._give(sock)
-            else:
-                sock.close()
 
 
 def _set_around(key: bytes, n: int, px: int | None) -> tuple[bytes, bytes]:
