@@ -46,13 +46,14 @@ from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
 from kvstore_lmcache.keymap import mp_object_key, mp_object_name, payload_of
+from kvstore_lmcache.memory_tags import RESIDENCIES, Residency, StoreTags, store_tags
 from kvstore_lmcache.runtime import StoreRuntime, log
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
     from lmcache.v1.memory_management import MemoryObj
 
-ADAPTER_KEYS = ("lock_ttl_s", "metrics_port")
+ADAPTER_KEYS = ("lock_ttl_s", "metrics_port", "residency")
 
 
 @dataclass
@@ -62,6 +63,7 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
     store: StoreConfig
     lock_ttl_s: float = 120.0
     metrics_port: int | None = None  # serve kvstore's metrics there too (docs/operations.md)
+    residency: Residency | None = None  # LMCache's memory tags: None = read from the tiers
 
     @classmethod
     def from_dict(cls, d: dict) -> KVStoreL2AdapterConfig:
@@ -76,6 +78,12 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
         if not lock_ttl_s > 0:
             raise ValueError("adapter_params.lock_ttl_s must be > 0 seconds")
         metrics_port = parse_port(params.pop("metrics_port", None), "adapter_params.metrics_port")
+        residency = params.pop("residency", None)
+        if residency is not None and residency not in RESIDENCIES:
+            raise ValueError(
+                f"adapter_params.residency: {residency!r}; use 'local' (this host's bytes) or "
+                "'remote' (off this host, or shared with other hosts), or leave it out to read it from the tiers"
+            )
         unknown = sorted(k for k in params if k not in KEYS)
         if unknown:
             raise ValueError(
@@ -85,7 +93,7 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
             store = StoreConfig.from_mapping(params, prefix="")
         except StoreConfigError as exc:
             raise ValueError(f"kvstore adapter_params: {exc}") from None
-        return cls(store=store, lock_ttl_s=lock_ttl_s, metrics_port=metrics_port)
+        return cls(store=store, lock_ttl_s=lock_ttl_s, metrics_port=metrics_port, residency=residency)
 
     @classmethod
     def help(cls) -> str:
@@ -97,7 +105,8 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
             "- namespace (str), timeout_s (float, per task deadline), policy (chain|lru|...)\n"
             "- config_file (path): JSON/TOML with the same keys\n"
             "- lock_ttl_s (float): how long a lookup lock protects an object at most\n"
-            "- metrics_port (int): also serve kvstore's Prometheus metrics on this port"
+            "- metrics_port (int): also serve kvstore's Prometheus metrics on this port\n"
+            "- residency (local|remote): LMCache's memory tags (LMCache 0.5.7+); default: from the tiers"
         )
 
 
@@ -485,6 +494,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
         more = start + page_size < len(rows)
         return KeyListPage(entries=entries, next_page_token=page[-1][0] if more and page else None)
 
+    @property
+    def tags(self) -> StoreTags:
+        """Where this store's bytes live (``get_memory_tags`` in LMCache's terms)."""
+        return store_tags((t.backend_url for t in self.config.store.tiers), self.config.residency)
+
+    def get_memory_tags(self) -> Any:
+        """LMCache's ``MemoryTags`` of this store (LMCache 0.5.7+ asks; see
+        `kvstore_lmcache.memory_tags`)."""
+        return self.tags.to_lmcache()
+
     def report_status(self) -> dict:
         from dataclasses import asdict
 
@@ -496,6 +515,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             "config": self.config.store.describe(),
             "counters": asdict(self.counters),
             "locked": len(self._locks),
+            "memory_tags": {"segment": self.tags.segment, "residency": self.tags.residency},
             "tiers": [
                 {"name": t.name, "hits": t.hits, "bytes_read": t.bytes_read, "objects": t.objects}
                 for t in store.stats().tiers

@@ -318,3 +318,20 @@ def test_capacity_for_lmcache_eviction(make_adapter, tmp_path):
     assert bounded.get_usage().total_capacity_bytes == 1 << 30 and bounded.supports_global_eviction
     unbounded = make_adapter([f"mem://cap2-{tmp_path.name}?capacity=64MiB", f"file://{tmp_path}/b"])
     assert unbounded.get_usage().total_capacity_bytes == 0 and not unbounded.supports_global_eviction
+
+
+def test_memory_tags_follow_the_tiers_and_the_residency_setting(make_adapter, tmp_path):
+    import lmcache.v1.distributed.api as api
+
+    ad = make_adapter([f"mem://tags-{tmp_path.name}?capacity=64MiB", f"file://{tmp_path}/t"])
+    assert ad.report_status()["memory_tags"] == {"segment": "storage", "residency": "local"}
+    shared = make_adapter([f"file://{tmp_path}/shared"], residency="remote")
+    assert shared.report_status()["memory_tags"] == {"segment": "storage", "residency": "remote"}
+    with pytest.raises(ValueError, match="residency"):
+        KVStoreL2AdapterConfig.from_dict({"tiers": ["mem://a"], "residency": "elsewhere"})
+    if not hasattr(api, "MemoryTags"):  # LMCache 0.5.6 never asks
+        with pytest.raises(RuntimeError, match=r"0\.5\.7"):
+            ad.get_memory_tags()
+        return
+    assert ad.get_memory_tags() == api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.LOCAL)
+    assert shared.get_memory_tags() == api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.REMOTE)
