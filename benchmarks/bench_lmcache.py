@@ -68,6 +68,7 @@ import torch  # noqa: E402
 from kvstore.backends.memory_arena import available_memory  # noqa: E402
 from kvstore.demo.cpu_engine import build_cpu_engine  # noqa: E402
 from kvstore.demo.hf_connector import empty_kv  # noqa: E402
+from kvstore.lmcache_paths import inprocess_module  # noqa: E402
 from kvstore.options import parse_size  # noqa: E402
 
 PLUGIN = {
@@ -313,8 +314,7 @@ class Runner:
             os.environ.update(saved)
         if args.connector == "none":
             # LMCache's MockGPUConnector copies nothing: what is left is the storage path alone
-            from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
-
+            MockGPUConnector = inprocess_module("gpu_connector.mock_gpu_connector").MockGPUConnector
             self.eng.engine.gpu_connector = MockGPUConnector((args.layers, 2, 256, args.heads, args.head_dim))
         self.ntok = args.chunks * 256
         self.nbytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)

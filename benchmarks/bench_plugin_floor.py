@@ -46,6 +46,7 @@ import torch  # noqa: E402
 
 from kvstore import checksum  # noqa: E402
 from kvstore.demo.cpu_engine import build_cpu_engine  # noqa: E402
+from kvstore.lmcache_paths import inprocess_module  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, CHUNK = 16, 8, 128, 256
 
@@ -84,8 +85,7 @@ def main() -> None:
     eng = build_cpu_engine(
         model_name="bench-model", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.bfloat16
     )
-    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
-
+    MockGPUConnector = inprocess_module("gpu_connector.mock_gpu_connector").MockGPUConnector
     eng.engine.gpu_connector = MockGPUConnector((LAYERS, 2, CHUNK, HEADS, HEAD_DIM))
     ntok = args.chunks * CHUNK
     g = torch.Generator().manual_seed(0)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvstore.demo.hf_connector import ContiguousKVConnector
+from kvstore.lmcache_paths import inprocess_module
 
 
 class LookupAnswers:
@@ -107,9 +108,7 @@ class CPUEngine:
         return None
 
     def close(self) -> None:
-        from lmcache.v1.cache_engine import LMCacheEngineBuilder
-
-        LMCacheEngineBuilder.destroy(self.instance_id)
+        inprocess_module("cache_engine").LMCacheEngineBuilder.destroy(self.instance_id)
 
 
 def build_cpu_engine(
@@ -122,7 +121,6 @@ def build_cpu_engine(
     instance_id: str | None = None,
 ) -> CPUEngine:
     """An LMCache engine whose configuration comes only from ``LMCACHE_*`` variables."""
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
     from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.metadata import LMCacheMetadata
 
@@ -140,7 +138,7 @@ def build_cpu_engine(
     )
     connector = ContiguousKVConnector(num_layers, num_kv_heads, head_dim)
     instance_id = instance_id or f"kvstore-{uuid.uuid4().hex[:8]}"
-    engine = LMCacheEngineBuilder.get_or_create(
+    engine = inprocess_module("cache_engine").LMCacheEngineBuilder.get_or_create(
         instance_id, config, metadata, connector, lambda t, i: None, lambda o, i: o
     )
     cpu = CPUEngine(engine, config, instance_id, num_layers, num_kv_heads, head_dim, dtype)

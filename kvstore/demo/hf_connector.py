@@ -17,8 +17,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from lmcache.v1.gpu_connector import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryObj
+
+from kvstore.lmcache_paths import INPROCESS
+
+if INPROCESS == "lmcache.v1":  # LMCache 0.5.6 and earlier
+    from lmcache.v1.gpu_connector import GPUConnectorInterface
+else:
+    from lmcache.inprocess.v1.gpu_connector import GPUConnectorInterface
 
 KVPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
 

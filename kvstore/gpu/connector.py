@@ -39,10 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from lmcache.v1.gpu_connector.gpu_connectors import (
-    GPUConnectorInterface,
-    VLLMPagedMemLayerwiseGPUConnector,
-)
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 
 from kvstore.gpu.direct import DirectCopier, LayerCopies, TokenSpans
@@ -52,6 +48,18 @@ from kvstore.gpu.paged import PagedKVCache
 from kvstore.gpu.pipeline import LayerPipeline
 from kvstore.gpu.staging import DeviceScratch, PinnedPool
 from kvstore.gpu.transfer import CopyStream, HostBatch
+from kvstore.lmcache_paths import INPROCESS
+
+if INPROCESS == "lmcache.v1":  # LMCache 0.5.6 and earlier
+    from lmcache.v1.gpu_connector.gpu_connectors import (
+        GPUConnectorInterface,
+        VLLMPagedMemLayerwiseGPUConnector,
+    )
+else:
+    from lmcache.inprocess.v1.gpu_connector.gpu_connectors import (
+        GPUConnectorInterface,
+        VLLMPagedMemLayerwiseGPUConnector,
+    )
 
 __all__ = ["LayerwisePagedKVConnector", "PagedKVConnector", "make_connector"]
 

@@ -2,7 +2,8 @@
 
 Owns: driving a running MP server the way an inference engine's worker does, with
 LMCache's own transport (``RequestClientFactory``) and engine-driven transfer context
-(pickle, or shared memory when the server offers it): register a KV layout, store whole
+(pickle with LMCache 0.5.6, its inline tensor transport from 0.5.7, or shared memory
+when the server offers it): register a KV layout, store whole
 chunks, look up a prefix, retrieve it, and wait for the server's asynchronous L2 writes.
 Must not touch: the server process (that is `kvstore.lmcache_mp.server`), storage
 logic, or paged-KV layouts (KV goes in and out as flat CPU tensors).
@@ -12,7 +13,7 @@ KV layout (LMCache's engine-driven chunk object layout, `gather_paged_kv_to_cpu`
 is K and 1 is V.  `store` also takes ``[2, num_layers, num_tokens, num_kv_heads,
 head_dim]``.  One stored object is the slice of one chunk: ``[2, L, chunk_size, H*D]``.
 
-Semantics (LMCache 0.5.6): chunks are keyed by a rolling hash of the token prefix, so
+Semantics (LMCache 0.5.6 and 0.5.7): chunks are keyed by a rolling hash of the token prefix, so
 only whole chunks from position 0 are stored and hit; a trailing partial chunk is
 ignored.  A lookup also prefetches the hit chunks from L2 into the server's L1 and
 read-locks them; `lookup` releases those locks, `retrieve` consumes them.  L2 writes
@@ -25,6 +26,7 @@ server restarts, call `register` again (it also reconnects).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import pickle
@@ -64,7 +66,8 @@ class MPClient:
     bounds each request round trip, ``prefetch_timeout`` the wait for a lookup's L2
     prefetch.  ``world_size``/``worker_id`` are the KV rank the objects are stored under
     (one worker of one by default); ``cache_salt`` isolates tenants.  ``use_shm=False``
-    keeps pickled transfers even when the server offers shared memory.
+    keeps in-request transfers (pickle, or 0.5.7's inline tensors) even when the server
+    offers shared memory.
     """
 
     def __init__(
@@ -103,7 +106,8 @@ class MPClient:
         self.use_shm = use_shm
         self._req: Any = None  # lmcache RequestClient
         self._ctx: Any = None  # lmcache EngineDrivenContext
-        self.transfer: str = ""  # "pickle" or "shm" once registered
+        self._retrieve_counts = False  # its prepare_retrieve takes the chunk count (0.5.7)
+        self.transfer: str = ""  # "pickle", "inline" or "shm" once registered
 
     # ------------------------------------------------------------------ properties
 
@@ -174,7 +178,9 @@ class MPClient:
         self._ctx = create_engine_driven_context(
             meta, self._req, self.timeout, shm_name=shm_name, pool_size=pool_size
         )
-        self.transfer = "pickle" if type(self._ctx).__name__.endswith("Pickle") else "shm"
+        kind = type(self._ctx).__name__
+        self._retrieve_counts = "expected_count" in inspect.signature(self._ctx.prepare_retrieve).parameters
+        self.transfer = "pickle" if kind.endswith("Pickle") else "inline" if kind.endswith("Inline") else "shm"
 
     def ping(self) -> bool:
         """Whether the server answers (as an anonymous prober: it does not touch this
@@ -221,12 +227,12 @@ class MPClient:
         key = self._key(tokens, end, request_id or f"store-{uuid.uuid4().hex}", lookup=False)
         c = self.chunk_size
         try:
-            if self.transfer == "pickle":  # every chunk goes in the request
+            if self.transfer != "shm":  # every chunk goes in the request
                 chunks = [kv[:, :, i : i + c].contiguous() for i in range(0, end, c)]
-                ok = self._commit_store_pickle(key, chunks)
+                ok = self._commit_store_in_request(key, chunks)
             else:  # shm: fill the slots the server reserved (none: all cached)
                 prepared = ctx.prepare_store(key, self.instance_id)
-                if prepared is None:  # the server offered no slots: send the bytes
+                if prepared is None:  # inline, or the server offered no slots: send the bytes
                     chunks = [kv[:, :, i : i + c].contiguous() for i in range(0, end, c)]
                     ok = ctx.commit_store(key, self.instance_id, chunks)
                 else:
@@ -273,8 +279,10 @@ class MPClient:
             if hit == 0:
                 return 0, empty
             key = self._key(tokens, hit, request_id, lookup=False)
-            if self.transfer == "pickle":
-                chunks = self._prepare_retrieve_pickle(key)
+            if self.transfer != "shm":
+                chunks = self._prepare_retrieve_in_request(key, hit // self.chunk_size)
+            elif self._retrieve_counts:  # LMCache 0.5.7: says how many chunks it expects
+                chunks = ctx.prepare_retrieve(key, self.instance_id, hit // self.chunk_size)
             else:
                 chunks = ctx.prepare_retrieve(key, self.instance_id)
             if chunks is None:
@@ -285,6 +293,8 @@ class MPClient:
             finally:
                 if self.transfer == "shm":
                     ctx.commit_retrieve(key, self.instance_id)  # releases the read locks
+                elif self.transfer == "inline":  # LMCache 0.5.7 expects it (a no-op there)
+                    self._result(self._transport().commit_retrieve(key, self.instance_id), "commit_retrieve")
             if kv.shape[2] != hit:
                 raise MPClientError(f"retrieved {kv.shape[2]} tokens, lookup promised {hit}")
             return hit, kv
@@ -375,11 +385,12 @@ class MPClient:
     def _key(self, tokens: list[int], end: int, request_id: str, *, lookup: bool) -> Any:
         from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 
-        return IPCCacheServerKey(
+        # from_token_ids: LMCache 0.5.7 sends tokens packed (token_bytes), 0.5.6 as a tuple
+        return IPCCacheServerKey.from_token_ids(
             model_name=self.model_name,
             world_size=self.world_size,
             worker_id=None if lookup else self.worker_id,
-            token_ids=tuple(tokens),
+            token_ids=tokens,
             start=0,
             end=end,
             request_id=request_id,
@@ -403,22 +414,33 @@ class MPClient:
             raise MPClientError(f"L2 prefetch did not finish within {self.prefetch_timeout}s")
         return min(int(chunks) * self.chunk_size, end)
 
-    # LMCache's pickle context (EngineDrivenContextPickle) sends the same requests but
-    # turns a timeout into a silent miss; here a timeout is an error.
+    # LMCache's in-request contexts (0.5.6's EngineDrivenContextPickle, 0.5.7's
+    # EngineDrivenContextInline) send the same requests but turn a timeout into a silent
+    # miss; here a timeout is an error.  The payload is pickled (0.5.6) or LMCache's
+    # tensor envelope (0.5.7, `tensor_wire`), as the context the server offered says.
 
-    def _commit_store_pickle(self, key: Any, chunks: list[torch.Tensor]) -> bool:
+    def _commit_store_in_request(self, key: Any, chunks: list[torch.Tensor]) -> bool:
         req = self._transport()
         self._result(req.prepare_store(key, self.instance_id), "prepare_store")
-        return bool(
-            self._result(req.commit_store(key, self.instance_id, pickle.dumps(chunks)), "commit_store")
-        )
+        if self.transfer == "pickle":
+            payload = pickle.dumps(chunks)
+        else:
+            from lmcache.v1.multiprocess.transfer_context.tensor_wire import encode_tensors
 
-    def _prepare_retrieve_pickle(self, key: Any) -> list[torch.Tensor] | None:
+            payload = encode_tensors(chunks)
+        return bool(self._result(req.commit_store(key, self.instance_id, payload), "commit_store"))
+
+    def _prepare_retrieve_in_request(self, key: Any, count: int) -> list[torch.Tensor] | None:
         resp = self._result(self._transport().prepare_retrieve(key, self.instance_id), "prepare_retrieve")
         if not resp.success or not resp.data:
             return None
-        chunks: list[torch.Tensor] = pickle.loads(resp.data)  # from the server we registered with
-        return chunks
+        if self.transfer == "pickle":
+            chunks: list[torch.Tensor] = pickle.loads(resp.data)  # from the server we registered with
+            return chunks
+        from lmcache.v1.multiprocess.transfer_context.tensor_wire import decode_tensors
+
+        shape = torch.Size([2, self.num_layers, self.chunk_size, self.hidden_dim])
+        return list(decode_tensors(resp.data, expected_shape=shape, expected_dtype=self.dtype, expected_count=count))
 
     def _end_session(self, request_id: str) -> None:
         if self._req is None:

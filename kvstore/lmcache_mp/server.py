@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-STATUS_MODULE = {"module_path": "kvstore.lmcache_mp.status_module", "factory_name": "build_server_modules"}
+STATUS_MODULE = {"module_path": "kvstore.lmcache_mp.status_module"}  # 0.5.6: its factory's default name
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 REPROBE_S = 2.0  # a readiness request unanswered this long is followed by another
 FRESH_PROBE_S = 10.0  # with none answered this long, the next requests go over a new connection

@@ -12,7 +12,8 @@ Must not touch: stored data (it only looks up and unlocks), the L1 cache, the
 prefetch path, or anything outside the server it is loaded into.
 
 Loaded with ``--server-module '{"module_path":"kvstore.lmcache_mp.status_module"}'``
-(`kvstore.lmcache_mp.server.MPServer` does so by default); called by
+(`kvstore.lmcache_mp.server.MPServer` does so by default): LMCache 0.5.6 calls its
+factory `build_server_modules`, 0.5.7 and later build `KVStoreStatusServerModule`; called by
 `kvstore.lmcache_mp.client.MPClient.wait_stored`.  LMCache 0.5.6's request protocol has
 no such request of its own: L2 stores are asynchronous and only the HTTP frontend's
 ``/status`` shows the store queue.
@@ -28,6 +29,11 @@ from typing import TYPE_CHECKING, Any
 from lmcache.v1.distributed.api import ipc_key_to_object_keys
 from lmcache.v1.multiprocess.custom_types import IPCCacheServerKey
 from lmcache.v1.multiprocess.ext_server_module import server_module_handler
+
+try:  # LMCache 0.5.7 and later: server modules are classes it discovers
+    from lmcache.v1.multiprocess.engine_module import DiscoverableModule
+except ImportError:  # 0.5.6: the factory `build_server_modules`
+    DiscoverableModule = None
 
 if TYPE_CHECKING:
     from lmcache.v1.multiprocess.engine_context import MPCacheServerContext
@@ -86,18 +92,19 @@ class KVStoreStatusModule:
         cache_salt, timeout``.  Answer JSON: ``{"chunks": n, "adapters": [{"index",
         "type", "present": [bool per chunk]}]}`` for the chunks in ``[0, end)``."""
         req = json.loads(payload)
-        key = IPCCacheServerKey(
+        tokens = [int(t) for t in req["token_ids"]]
+        key = IPCCacheServerKey.from_token_ids(
             model_name=req["model_name"],
             world_size=int(req["world_size"]),
             worker_id=int(req["worker_id"]),
-            token_ids=tuple(int(t) for t in req["token_ids"]),
+            token_ids=tokens,
             start=0,
             end=int(req["end"]),
             request_id="kvstore-l2-contains",
             cache_salt=req.get("cache_salt", ""),
             num_kv_readers=1,
         )
-        hashes = self._ctx.token_hasher.compute_chunk_hashes(list(key.token_ids), end=key.end)
+        hashes = self._ctx.token_hasher.compute_chunk_hashes(tokens, end=key.end)
         obj_keys = ipc_key_to_object_keys(key, hashes, [0])[0]
         deadline = time.monotonic() + float(req.get("timeout", 10.0))
         layouts = self._ctx.layout_desc_registry.find_group_layout_descs(key.model_name, key.world_size) or {}
@@ -121,5 +128,18 @@ class KVStoreStatusModule:
 
 
 def build_server_modules(build_ctx: ExtServerModuleBuildContext) -> KVStoreStatusModule:
-    """The ``--server-module`` factory."""
+    """The ``--server-module`` factory (LMCache 0.5.6)."""
     return KVStoreStatusModule(build_ctx.server_context)
+
+
+if DiscoverableModule is not None:
+
+    class KVStoreStatusServerModule(KVStoreStatusModule, DiscoverableModule):
+        """The module as LMCache 0.5.7 and later load it: the server imports
+        ``module_path`` and builds each concrete ``DiscoverableModule`` subclass in it."""
+
+        module_name = "kvstore_status"
+
+        @classmethod
+        def create(cls, build_ctx: Any) -> KVStoreStatusServerModule:
+            return cls(build_ctx.engine_context)

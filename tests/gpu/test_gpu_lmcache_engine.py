@@ -8,12 +8,14 @@ import itertools
 import pytest
 import torch
 from gpu_kvgen import GEOMETRY, make_caches, random_requests
-from lmcache.v1.cache_engine import LMCacheEngineBuilder
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.metadata import LMCacheMetadata
 
 from kvstore.gpu import PagedKVCache
 from kvstore.gpu.connector import LayerwisePagedKVConnector, PagedKVConnector
+from kvstore.lmcache_paths import inprocess_module
+
+LMCacheEngineBuilder = inprocess_module("cache_engine").LMCacheEngineBuilder
 
 CHUNK = 16
 NUM_TOKENS = 3 * CHUNK + 7  # three full chunks and a partial one
@@ -98,7 +100,8 @@ def test_engine_layerwise_store_and_retrieve(layout, engine_for):
     retriever = engine.retrieve_layer(tokens, kvcaches=fresh, slot_mapping=fresh_slots, sync=True)
     steps = list(retriever)  # as vLLM does: two next() up front, then one per layer
     assert len(steps) == num_layers + 2
-    assert int(steps[0]) == NUM_TOKENS  # retrieved-token count in the first step
+    # LMCache 0.5.6 yields the retrieved-token count first; 0.5.7 yields None there
+    assert steps[0] is None or int(steps[0]) == NUM_TOKENS
     assert int(steps[-1].sum()) == NUM_TOKENS  # final step: the mask
     assert torch.equal(PagedKVCache(fresh).gather(fresh_slots), PagedKVCache(caches).gather(slots))
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.lmcache_paths import INPROCESS
 from tests.lmcache.helpers import PLUGIN_EXTRA, REMOTE_EXTRA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +28,7 @@ def _run(mode: str, env_extra: dict[str, str], tmp_path: Path) -> str:
     env.update(env_extra)
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run(
-        [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", mode, "--num-keys", "5"],
+        [sys.executable, "-m", f"{INPROCESS}.basic_check", "--mode", mode, "--num-keys", "5"],
         cwd=tmp_path,  # not inside lmcache/v1: its platform/ package would shadow the stdlib's
         env=env,
         capture_output=True,

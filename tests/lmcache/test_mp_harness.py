@@ -63,7 +63,7 @@ def test_round_trip_three_chunks(fs_server: tuple[MPServer, Path]) -> None:
     with _client(server) as client:
         tokens = _tokens(3 * CHUNK + 17, seed=1)  # a trailing partial chunk is not stored
         kv = random_kv(len(tokens), LAYERS, HEADS, HEAD_DIM, torch.bfloat16, seed=1)
-        assert client.transfer == "pickle"
+        assert client.transfer in ("pickle", "inline")  # LMCache 0.5.6 pickles, 0.5.7 sends tensors inline
         assert client.lookup(tokens) == 0
         assert client.store(tokens, kv) == 3 * CHUNK
         assert client.lookup(tokens) == 3 * CHUNK

@@ -1,7 +1,7 @@
 """LMCache's own L2-adapter conformance check, run as LMCache ships it.
 
 Owns: `assert_l2_conformance(spec, cwd, env)`: ``python -m lmcache.v1.basic_check --mode
-test_l2_adapter --l2-adapter JSON`` in a subprocess (the checker prints its verdicts and
+test_l2_adapter --l2-adapter JSON`` (``lmcache.inprocess.v1.basic_check`` from LMCache 0.5.7) in a subprocess (the checker prints its verdicts and
 exits 0 either way, so the verdicts are read) with kvstore's repository on PYTHONPATH.
 Must not touch: the adapter under test.
 """
@@ -14,6 +14,8 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+
+from kvstore.lmcache_paths import INPROCESS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +31,7 @@ def assert_l2_conformance(spec: Mapping[str, object], cwd: Path, env: Mapping[st
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LMCACHE_", "KVSTORE_"))}
     run_env = dict(env)
     run_env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{run_env.get('PYTHONPATH', '')}"
-    cmd = [sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_l2_adapter"]
+    cmd = [sys.executable, "-m", f"{INPROCESS}.basic_check", "--mode", "test_l2_adapter"]
     proc = subprocess.run(
         [*cmd, "--l2-adapter", json.dumps(spec)],
         cwd=cwd,
