@@ -20,8 +20,10 @@ from types import ModuleType
 def _inprocess_prefix() -> str:
     try:
         moved = importlib.util.find_spec("lmcache.inprocess") is not None
-    except ModuleNotFoundError:  # no lmcache at all: the old spelling, for messages
-        moved = False
+    except ModuleNotFoundError as exc:
+        if exc.name != "lmcache":  # lmcache is there but fails to import: say why
+            raise
+        moved = False  # no lmcache at all: the old spelling, for messages
     return "lmcache.inprocess.v1" if moved else "lmcache.v1"
 
 

@@ -146,6 +146,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
+        urls = [t.backend_url for t in cfg.tiers]
+        self._tags = {shared: store_tags(urls, config.residency, shared=shared) for shared in (False, True)}
+        self._lmcache_tags: dict[bool, Any] = {}
         self.runtime = StoreRuntime(cfg, name="kvstore-l2")
         self.runtime.store.on_gone = self._gone
         self._closed = False
@@ -496,13 +499,18 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     @property
     def tags(self) -> StoreTags:
-        """Where this store's bytes live (``get_memory_tags`` in LMCache's terms)."""
-        return store_tags((t.backend_url for t in self.config.store.tiers), self.config.residency)
+        """Where this store's bytes live (``get_memory_tags`` in LMCache's terms); LMCache
+        0.5.7 sets ``_shared`` (its spec's ``"shared": true``) after construction."""
+        return self._tags[bool(getattr(self, "_shared", False))]
 
     def get_memory_tags(self) -> Any:
-        """LMCache's ``MemoryTags`` of this store (LMCache 0.5.7+ asks; see
-        `kvstore_lmcache.memory_tags`)."""
-        return self.tags.to_lmcache()
+        """LMCache's ``MemoryTags`` of this store (LMCache 0.5.7+ asks, per prefetch
+        request; see `kvstore_lmcache.memory_tags`)."""
+        shared = bool(getattr(self, "_shared", False))
+        made = self._lmcache_tags.get(shared)
+        if made is None:
+            made = self._lmcache_tags[shared] = self._tags[shared].to_lmcache()
+        return made
 
     def report_status(self) -> dict:
         from dataclasses import asdict

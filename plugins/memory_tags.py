@@ -10,22 +10,22 @@ Owns: `StoreTags` and reading them from tier URLs (pure: no I/O, no name resolut
 and building LMCache's ``MemoryTags`` from them where LMCache has that type.  Must not
 touch: opening tiers, the adapter's tasks.
 
-From the URLs: ``mem://`` is host memory; ``file://`` is local storage; a Redis or an
-S3 endpoint is local storage when it is reached over a unix socket or a loopback
-address, remote otherwise (S3 without ``endpoint_url`` is AWS: remote); a scheme
-registered by someone else is remote (nothing says where it keeps its bytes).  A store
-is ``dram`` when every tier is memory and ``remote`` when any tier is.  Where that
-guess is wrong (a ``file://`` directory other hosts mount too, a Redis on this host
-reached by a routable address), the adapter's ``residency`` setting says which.
+From the URLs, as LMCache's own adapters tag theirs: ``mem://`` is host memory,
+``file://`` local storage, a Redis reached over a unix socket local storage; a Redis or
+S3 endpoint over the network is remote storage, loopback addresses included (LMCache's
+resp, valkey and s3 adapters always say remote, and a loopback port may be a tunnel to
+another host); a scheme registered by someone else is remote (nothing says where it keeps
+its bytes).  A store is ``dram`` when every tier is memory and ``remote`` when any tier
+is.  LMCache's own ``"shared": true`` on the ``--l2-adapter`` spec (a pool other hosts
+mount too) makes it remote, and the adapter's ``residency`` setting says which outright.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 Segment = Literal["dram", "storage"]
 Residency = Literal["local", "remote"]
@@ -51,47 +51,23 @@ class StoreTags:
         return tags(segment(self.segment), residency(self.residency))
 
 
-def _loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def tier_tags(url: str) -> StoreTags:
     """Where the tier at ``url`` keeps its bytes (see the module docstring)."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
+    scheme = urlsplit(url).scheme.lower()
     if scheme == "mem":
         return StoreTags("dram", "local")
-    if scheme == "file":
+    if scheme in ("file", "unix"):
         return StoreTags("storage", "local")
-    if scheme == "unix":
-        return StoreTags("storage", "local")
-    if scheme in ("redis", "rediss"):
-        return StoreTags("storage", "local" if _loopback(parts.hostname) else "remote")
-    if scheme in ("redis+cluster", "rediss+cluster"):
-        hosts = parts.netloc.rsplit("@", 1)[-1].split(",")
-        local = all(_loopback(h.strip().rpartition(":")[0]) for h in hosts)
-        return StoreTags("storage", "local" if local else "remote")
-    if scheme == "s3":
-        endpoint = dict(parse_qsl(parts.query)).get("endpoint_url")
-        local = endpoint is not None and _loopback(urlsplit(endpoint).hostname)
-        return StoreTags("storage", "local" if local else "remote")
     return StoreTags("storage", "remote")
 
 
-def store_tags(urls: Iterable[str], residency: Residency | None = None) -> StoreTags:
-    """The tags of a store whose tiers are at ``urls``; ``residency`` overrides the
-    residency read from them."""
+def store_tags(urls: Iterable[str], residency: Residency | None = None, *, shared: bool = False) -> StoreTags:
+    """The tags of a store whose tiers are at ``urls``; ``shared`` (LMCache's flag) makes
+    it remote; ``residency`` overrides both."""
     tiers = [tier_tags(u) for u in urls]
     segment: Segment = "dram" if tiers and all(t.segment == "dram" for t in tiers) else "storage"
     if residency is None:
-        residency = "remote" if any(t.residency == "remote" for t in tiers) else "local"
+        residency = "remote" if shared or any(t.residency == "remote" for t in tiers) else "local"
     return StoreTags(segment, residency)
 
 

@@ -66,8 +66,9 @@ class MPClient:
     bounds each request round trip, ``prefetch_timeout`` the wait for a lookup's L2
     prefetch.  ``world_size``/``worker_id`` are the KV rank the objects are stored under
     (one worker of one by default); ``cache_salt`` isolates tenants.  ``use_shm=False``
-    keeps in-request transfers (pickle, or 0.5.7's inline tensors) even when the server
-    offers shared memory.
+    sends KV in the requests (pickle, or 0.5.7's inline tensors) instead of attaching to
+    the server's shared memory: for servers started without it (one that offers it
+    answers retrieves in its pool, which such a client does not read).
     """
 
     def __init__(
@@ -279,12 +280,18 @@ class MPClient:
             if hit == 0:
                 return 0, empty
             key = self._key(tokens, hit, request_id, lookup=False)
-            if self.transfer != "shm":
-                chunks = self._prepare_retrieve_in_request(key, hit // self.chunk_size)
-            elif self._retrieve_counts:  # LMCache 0.5.7: says how many chunks it expects
-                chunks = ctx.prepare_retrieve(key, self.instance_id, hit // self.chunk_size)
-            else:
-                chunks = ctx.prepare_retrieve(key, self.instance_id)
+            count = hit // self.chunk_size
+            try:
+                if self.transfer != "shm":
+                    chunks = self._prepare_retrieve_in_request(key, count)
+                elif self._retrieve_counts:  # LMCache 0.5.7: says how many chunks it expects
+                    chunks = ctx.prepare_retrieve(key, self.instance_id, count)
+                else:
+                    chunks = ctx.prepare_retrieve(key, self.instance_id)
+            except ValueError as exc:  # 0.5.7 checks the answer against what was asked
+                if self.transfer == "shm":  # the server holds the slots' read locks
+                    ctx.commit_retrieve(key, self.instance_id)
+                raise MPClientError(f"the retrieve of {hit} tokens came back malformed: {exc}") from exc
             if chunks is None:
                 self._transport().free_lookup_locks(self._key(tokens, hit, request_id, lookup=True), 1)
                 raise MPClientError(f"lookup hit {hit} tokens but the retrieve returned nothing")
@@ -293,8 +300,6 @@ class MPClient:
             finally:
                 if self.transfer == "shm":
                     ctx.commit_retrieve(key, self.instance_id)  # releases the read locks
-                elif self.transfer == "inline":  # LMCache 0.5.7 expects it (a no-op there)
-                    self._result(self._transport().commit_retrieve(key, self.instance_id), "commit_retrieve")
             if kv.shape[2] != hit:
                 raise MPClientError(f"retrieved {kv.shape[2]} tokens, lookup promised {hit}")
             return hit, kv

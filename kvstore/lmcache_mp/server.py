@@ -79,7 +79,7 @@ class MPServer:
     ``transfer_mode`` is the server's ``--supported-transfer-mode``; the CPU client
     needs ``engine_driven`` or ``auto``.  ``shm_name`` (with ``--no-l1-use-lazy``,
     added automatically) makes engine-driven transfers go through ``/dev/shm`` instead
-    of pickled bytes over ZMQ.  ``extra_args`` are appended last and win over the
+    of KV in the requests over ZMQ (pickled with LMCache 0.5.6, tensor envelopes with 0.5.7).  ``extra_args`` are appended last and win over the
     defaults for flags argparse takes once.  ``env`` is added to a copy of the current
     environment; the repository root is put on ``PYTHONPATH`` so this checkout's ``kvstore``,
     ``kvstore_lmcache`` and test modules import in the server.

@@ -327,6 +327,12 @@ def test_memory_tags_follow_the_tiers_and_the_residency_setting(make_adapter, tm
     assert ad.report_status()["memory_tags"] == {"segment": "storage", "residency": "local"}
     shared = make_adapter([f"file://{tmp_path}/shared"], residency="remote")
     assert shared.report_status()["memory_tags"] == {"segment": "storage", "residency": "remote"}
+    flagged = make_adapter([f"file://{tmp_path}/flagged"])
+    if hasattr(flagged, "set_backend_identity"):  # LMCache 0.5.7: its spec's "shared": true
+        flagged.set_backend_identity("plugin", shared=True)
+    else:
+        flagged._shared = True
+    assert flagged.report_status()["memory_tags"] == {"segment": "storage", "residency": "remote"}
     with pytest.raises(ValueError, match="residency"):
         KVStoreL2AdapterConfig.from_dict({"tiers": ["mem://a"], "residency": "elsewhere"})
     if not hasattr(api, "MemoryTags"):  # LMCache 0.5.6 never asks
