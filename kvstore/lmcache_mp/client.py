@@ -233,7 +233,7 @@ class MPClient:
                 ok = self._commit_store_in_request(key, chunks)
             else:  # shm: fill the slots the server reserved (none: all cached)
                 prepared = ctx.prepare_store(key, self.instance_id)
-                if prepared is None:  # inline, or the server offered no slots: send the bytes
+                if prepared is None:  # the server offered no slots: send the bytes
                     chunks = [kv[:, :, i : i + c].contiguous() for i in range(0, end, c)]
                     ok = ctx.commit_store(key, self.instance_id, chunks)
                 else:
@@ -445,7 +445,7 @@ class MPClient:
         from lmcache.v1.multiprocess.transfer_context.tensor_wire import decode_tensors
 
         shape = torch.Size([2, self.num_layers, self.chunk_size, self.hidden_dim])
-        return list(decode_tensors(resp.data, expected_shape=shape, expected_dtype=self.dtype, expected_count=count))
+        return decode_tensors(resp.data, expected_shape=shape, expected_dtype=self.dtype, expected_count=count)
 
     def _end_session(self, request_id: str) -> None:
         if self._req is None:
