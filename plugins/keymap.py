@@ -141,6 +141,35 @@ def mp_object_name(key: ObjectKey, namespace: str) -> str:
     return mp_chunk_key(key, namespace).object_name()
 
 
+def mp_object_names(keys: Sequence[ObjectKey], namespace: str) -> list[str]:
+    """`mp_object_name` of each key.  A request's keys share model, ``kv_rank``, group
+    and salt: each run of keys sharing them is named by one `chunk_object_names` call
+    (the shared part spelled and checked once, as `object_names` does in-process).
+    Raises as `mp_object_name` does for the first key that cannot be named."""
+    out: list[str] = []
+    run: list[bytes] = []
+    group: tuple[Any, ...] | None = None
+    first: ObjectKey | None = None
+    for key in keys:
+        model, rank, gid, salt = key.model_name, key.kv_rank, key.object_group_id, key.cache_salt
+        # equal is not enough: the name spells them (1 and True differ there)
+        g = (model, type(model), rank, type(rank), gid, type(gid), salt)
+        if g != group:
+            if run:
+                out += _mp_named_run(first, run, namespace)  # type: ignore[arg-type]
+                run = []
+            group, first = g, key
+        run.append(bytes(key.chunk_hash))
+    if run:
+        out += _mp_named_run(first, run, namespace)  # type: ignore[arg-type]
+    return out
+
+
+def _mp_named_run(key: ObjectKey, hashes: list[bytes], namespace: str) -> list[str]:
+    ck = mp_chunk_key(key, namespace)
+    return chunk_object_names(namespace, ck.model, ck.fmt, ck.world_size, ck.worker_id, hashes)
+
+
 def mp_object_key(ck: ChunkKey) -> ObjectKey | None:
     """The ``ObjectKey`` a name made by `mp_object_name` came from; None if not one."""
     from lmcache.v1.distributed.api import ObjectKey

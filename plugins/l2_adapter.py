@@ -17,7 +17,9 @@ Owns: LMCache's L2 task protocol (task ids, completed-task tables, event fds),
 lookup locks (pins, counted per key), the deadline and the fail-fast breaker of every
 task, and the byte accounting LMCache's own L2 eviction and listing read.  Must not
 touch: storage logic (the store), LMCache's threads (every task runs on the runtime's
-own loop and signals its event fd when done).
+own loop and signals its event fd when done; a lookup the store's books can answer, the
+common case, is answered and signalled before `submit_lookup_and_lock_task` returns,
+without the two thread hops).
 
 Every task ends: a tier that fails or misses its deadline (half of ``timeout_s``) is a
 miss (or a failed store) for that tier only, never an exception in the server; its
@@ -32,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +47,7 @@ from lmcache.v1.platform import create_event_notifier
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
-from kvstore_lmcache.keymap import mp_object_key, mp_object_name, payload_of
+from kvstore_lmcache.keymap import mp_object_key, mp_object_name, mp_object_names, payload_of
 from kvstore_lmcache.memory_tags import RESIDENCIES, Residency, StoreTags, store_tags
 from kvstore_lmcache.runtime import StoreRuntime, log
 
@@ -174,6 +176,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return tid
 
     def _names(self, keys: Sequence[ObjectKey]) -> list[str | None]:
+        try:
+            return list(mp_object_names(keys, self._ns))
+        except (InvalidKeyError, ValueError):  # one key cannot be named: name them one by one
+            pass
         out: list[str | None] = []
         for key in keys:
             try:
@@ -305,6 +311,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         tid = self._new_id()
         names = self._names(keys)
         self._note_chains(keys, names)
+        hits = None if self._closed else self._lookup_now(names)
+        if hits is not None:  # answered from the books on this thread: no hop to the loop
+            self._lookup_done(tid, hits)
+            return tid
         coro = self._lookup(names)
         if self._admit(coro):
             self.runtime.submit(self._finish_lookup(tid, coro, len(keys)))
@@ -333,26 +343,54 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if len(run) > 1:
             self.runtime.note_chain(run)
 
+    def _lookup_now(self, names: list[str | None]) -> list[bool] | None:
+        """The lookup answered and its hits pinned on the caller's thread from the
+        store's books (`TieredStore.lookup_now`: for a disk tier, a `stat` per name the
+        books do not hold); None when the loop must answer (`_lookup`)."""
+        asked = [n for n in names if n is not None]
+        try:
+            found = self.runtime.store.lookup_now(asked, ttl=self.config.lock_ttl_s)
+        except Exception as exc:  # a fault here must not fail the lookup: the loop asks
+            log.debug("kvstore L2: lookup on the caller's thread failed (%s); asking on the loop", exc)
+            return None
+        if found is None:
+            return None
+        return self._lock_hits(names, iter(found))
+
     async def _lookup(self, names: list[str | None]) -> list[bool]:
         asked = [n for n in names if n is not None]
-        found = iter(await self.runtime.store.contains_many(asked))
+        found = await self.runtime.store.contains_many(asked)
+        hits = self._lock_hits(names, iter(found))
+        held = [n for n, h in zip(names, hits) if h and n is not None]
+        if held:
+            self.runtime.store.pin(held, ttl=self.config.lock_ttl_s)
+        return hits
+
+    def _lock_hits(self, names: list[str | None], found: Iterator[bool]) -> list[bool]:
+        """Per name, found or not (`found` answers the names that are not None); one
+        lookup lock taken per name found."""
         hits = [n is not None and next(found) for n in names]
         held = [n for n, h in zip(names, hits) if h and n is not None]
         if held:
             with self._lock:
                 for n in held:
                     self._locks[n] += 1
-            self.runtime.store.pin(held, ttl=self.config.lock_ttl_s)
         return hits
 
     async def _finish_lookup(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], n: int) -> None:
         hits = await self._bounded(coro, self.config.store.timeout_s, f"lookup of {n} chunk(s)")
+        self._lookup_done(tid, hits if hits is not None else [False] * n)
+
+    def _lookup_done(self, tid: L2TaskId, hits: list[bool]) -> None:
+        """Count the lookup and hand its bitmap to LMCache (from the loop or the caller's thread)."""
+        n = len(hits)
         bitmap = Bitmap(n)
-        for i, hit in enumerate(hits or ()):
+        for i, hit in enumerate(hits):
             if hit:
                 bitmap.set(i)
-        self.counters.lookups += n
-        self.counters.lookup_hits += bitmap.popcount()
+        with self._lock:  # both threads count
+            self.counters.lookups += n
+            self.counters.lookup_hits += bitmap.popcount()
         self.runtime.saw_lookups(n)
         self._complete_lookup(tid, bitmap)
 
@@ -376,8 +414,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 if self._locks[name] == 0:
                     del self._locks[name]
                     free.append(name)
-        if free and not self._closed:
-            self.runtime.loop.call_soon_threadsafe(self.runtime.store.unpin, free)
+        if free and not self._closed:  # pins may change on any thread: no wake-up of the loop
+            self.runtime.store.unpin(free)
 
     # ---------------------------------------------------------------------- load
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:

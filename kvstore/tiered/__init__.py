@@ -56,6 +56,9 @@ API (all batched, all async except pin/unpin/stats):
   question LMCache asks before retrieving); changes no policy state.
 * ``pin(names, ttl=None)`` / ``unpin(names)``  A pinned name is never evicted until
   unpinned or until its pin expires (`pin_ttl` seconds by default).
+* ``known_prefix(names)`` / ``lookup_now(names, ttl)``  `prefix_lookup`, and
+  `contains_many` + `pin` of what was found, answered on the caller's thread (any
+  thread) from the books, or None when the event loop must answer.
 * ``drain()``  Wait for background copies (promotions, demotions).
 * ``stats() -> StoreStats``; ``metrics.text()`` for Prometheus; ``close()``.
 

@@ -23,6 +23,7 @@ Must not touch: tiers, the engine, metrics (this only records what is under way)
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Container, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -53,6 +54,7 @@ class InFlight:
         self._unlanded: set[str] = set()  # being written, no write of it over yet
         self._reading: Counter[str] = Counter()
         self._pins: dict[str, float] = {}
+        self._pin_lock = threading.Lock()
         self._landing: dict[tuple[str, int], int] = {}  # (name, tier) -> tier its bytes are still in
         self._landed: dict[str, asyncio.Event] = {}  # name -> its foreground write batch's event
         self._copies: Counter[str] = Counter()  # copies prepared and not completed, per name
@@ -105,20 +107,27 @@ class InFlight:
         return self._landing.get((name, tier), tier)
 
     # -- pins ----------------------------------------------------------------------------
+    # Pins may also be taken on another thread (`TieredStore.lookup_now`): changes and
+    # walks of the pin table hold `_pin_lock`; a membership test (`__contains__`) needs no
+    # lock, a dict lookup being atomic.
     def pin(self, names: Iterable[str], until: float) -> None:
-        for name in names:
-            self._pins[name] = until
+        with self._pin_lock:
+            for name in names:
+                self._pins[name] = until
 
     def unpin(self, names: Iterable[str]) -> None:
-        for name in names:
-            self._pins.pop(name, None)
+        with self._pin_lock:
+            for name in names:
+                self._pins.pop(name, None)
 
     def pinned(self, now: float) -> int:
-        return sum(1 for t in self._pins.values() if t > now)
+        with self._pin_lock:
+            return sum(1 for t in self._pins.values() if t > now)
 
     def prune_pins(self, now: float) -> None:
         if len(self._pins) > 1024:
-            self._pins = {n: t for n, t in self._pins.items() if t > now}
+            with self._pin_lock:
+                self._pins = {n: t for n, t in self._pins.items() if t > now}
 
     # -- reads ---------------------------------------------------------------------------
     def prepare_read(self, names: Sequence[str]) -> Ticket:

@@ -45,26 +45,29 @@ class Lookup:
         """How many leading `names` are servable.  Reads the books only (membership
         tests, no iteration), so another thread may ask; whether the loop changed them
         meanwhile is for the caller to tell (`known_prefix`)."""
+        return len(self._servable_each(names, now, prefix=True))
+
+    def _servable_each(self, names: Sequence[str], now: float, *, prefix: bool = False) -> list[bool]:
+        """`servable` of each name (with `prefix`, up to the first that is not: all True),
+        unrolled (a lookup asks about every chunk of a prompt, per request): the same
+        tests, as membership tests, a TTL asked about only where one is set.  Reads the
+        books only, so another thread may ask."""
         p = self.p
-        # `servable` unrolled (a lookup asks about every chunk of a prompt, per request):
-        # the same tests, as membership tests, a TTL asked about only where one is set
         writing, book = p.inflight.writing_now, p.book
         expires = book.expires
         tiers = [(t.resident, p.guard.refusing(j)) for j, t in enumerate(p.placement.tiers)]
-        n = 0
+        out: list[bool] = []
         for name in names:
-            if name in writing or (expires and book.is_expired(name, now)):
+            held = False
+            if name not in writing and not (expires and book.is_expired(name, now)):
+                for resident, refusing in tiers:
+                    if name in resident:  # `where`: the highest tier holding it
+                        held = not refusing or self.servable(name, now)
+                        break
+            if prefix and not held:
                 break
-            for resident, refusing in tiers:
-                if name in resident:  # `where`: the highest tier holding it
-                    held = not refusing or self.servable(name, now)
-                    break
-            else:
-                held = False
-            if not held:
-                break
-            n += 1
-        return n
+            out.append(held)
+        return out
 
     def known_prefix(self, names: Sequence[str], now: float) -> int | None:
         """`prefix` from any thread without the event loop; None when it needs the tiers
@@ -81,6 +84,28 @@ class Lookup:
         # the loop may have changed the books while they were read: the reads could mix
         # two states (a name seen placed, then its failed write's mark seen cleared)
         return n if self.p.unchanged_since(stamp) else None
+
+    def known(self, names: Sequence[str], now: float) -> list[bool] | None:
+        """`contains` from any thread without the event loop, or None when that is not
+        enough: the loop was changing the books while they were read (`Parts.changing`),
+        or, with discovery, a name the books do not serve is one a tier holds (someone
+        else stored it; the loop adopts it) or one a tier cannot rule out at once."""
+        p = self.p
+        stamp = p.stamp()
+        if stamp is None:
+            return None
+        found = self._servable_each(names, now)
+        if p.discover and not all(found):
+            ask = [n for n, f in zip(names, found) if not f and self.discoverable(n)]
+            for j, tier in enumerate(p.tiers):
+                if not ask:
+                    break
+                if p.guard.refusing(j):
+                    continue
+                held = tier.backend.contains_now(ask)
+                if held is None or any(held):
+                    return None
+        return found if p.unchanged_since(stamp) else None
 
     def _absent_now(self, name: str) -> bool:
         """Every tier that answers says at once, on this thread, that it does not hold

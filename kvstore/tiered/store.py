@@ -171,6 +171,32 @@ class TieredStore:
             return None
         return self.lookup.known_prefix(names, self._clock())
 
+    def lookup_now(self, names: Sequence[str], ttl: float | None = None) -> list[bool] | None:
+        """`contains_many`, then `pin` of the names found, answered on the caller's
+        thread without this store's event loop (a hop there and back is most of a
+        lookup's time); None when that cannot be done (see `Lookup.known`): run
+        `contains_many` and `pin` on the loop then.
+
+        The found names are pinned first and the books read again after: a victim is
+        chosen on the loop inside a `Parts.changing` stretch, so one chosen after the
+        pin sees it, and one chosen before it is off the books by the second read (or
+        that read overlaps the stretch and answers None).  On None the pins stay until
+        they expire or are unpinned (a pin is a name's, not a caller's: one taken here
+        may be another lookup's too)."""
+        if self._closed:
+            return None
+        now = self._clock()
+        found = self.lookup.known(names, now)
+        if found is None:
+            return None
+        held = [n for n, f in zip(names, found) if f]
+        if held:
+            self.pin(held, ttl)
+            again = self.lookup.known(held, now)
+            if again is None or not all(again):
+                return None
+        return found
+
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         now = self._clock()
         await self._expire(now)
@@ -226,6 +252,7 @@ class TieredStore:
         self.inflight.pin(names, self._clock() + (self.pin_ttl if ttl is None else ttl))
 
     def unpin(self, names: Sequence[str]) -> None:
+        """Any thread may unpin (and pin): the pin table has a lock of its own."""
         self.inflight.unpin(names)
 
     async def _expire(self, now: float) -> None:

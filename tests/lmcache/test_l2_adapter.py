@@ -97,6 +97,33 @@ def test_store_tasks_into_a_full_tier_succeed_and_the_newest_are_loaded(make_ada
     assert all(g is not None and torch.equal(g, kv(900 + i)) for i, g in enumerate(got))
 
 
+def test_lookups_are_answered_at_submit_and_their_locks_hold_under_pressure(make_adapter, tmp_path):
+    """A lookup the store's books can answer is done when `submit_lookup_and_lock_task`
+    returns (its event fd already signalled: no wait on the store's loop); the chunks it
+    found stay locked while fresh stores push everything else out of a full tier, and a
+    chunk another adapter stored meanwhile is still found."""
+    nbytes = kv(0).nbytes
+    url = f"file://{tmp_path}/small?capacity={6 * (nbytes + 1024)}&fsync=false"
+    ad = make_adapter([url])
+    other = make_adapter([url])  # a second server process on the same directory
+    keys = [okey(i) for i in range(3)]
+    assert store(ad, keys, [kv(i) for i in range(3)])
+    tid = ad.submit_lookup_and_lock_task([*keys, okey(99)], {})
+    bitmap = ad.query_lookup_and_lock_result(tid)
+    assert bitmap is not None, "a lookup the books answer is complete at submit"
+    assert [bitmap.test(i) for i in range(4)] == [True, True, True, False]
+    assert ad.counters.lookups == 4 and ad.counters.lookup_hits == 3
+    for t in range(6):  # four times the rest of the tier's room, in fresh chunks
+        fresh = [okey(1000 + 10 * t + i) for i in range(2)]
+        assert store(ad, fresh, [kv(1000 + 10 * t + i) for i in range(2)])
+    got = load(ad, keys)
+    assert all(g is not None and torch.equal(g, kv(i)) for i, g in enumerate(got)), "locked chunks were evicted"
+    assert lookup(ad, [okey(1000)]) == [False]  # unlocked chunks did make room
+    assert store(other, [okey(500)], [kv(500)])
+    assert lookup(ad, [okey(500)]) == [True]  # found on disk, past this adapter's books
+    ad.submit_unlock(keys)
+
+
 def test_models_ranks_groups_and_salts_never_collide(make_adapter):
     ad = make_adapter()
     variants = [
@@ -134,6 +161,15 @@ def test_restart_finds_what_was_stored_and_lists_it(make_adapter, tmp_path):
     assert listed == set(keys) and rest.next_page_token is None
     by_salt = second.get_usage().bytes_by_cache_salt
     assert set(by_salt) == {"s1"} and by_salt["s1"] >= sum(t.nbytes for t in tensors)  # stored frames
+
+
+def test_a_key_that_cannot_be_named_is_a_miss_for_itself_only(make_adapter):
+    ad = make_adapter()
+    keys = [okey(i) for i in range(3)]
+    assert store(ad, keys, [kv(i) for i in range(3)])
+    unnamable = okey(5, model="m" * 2000)  # longer than any object name may be
+    assert lookup(ad, [keys[0], unnamable, keys[1], keys[2]]) == [True, False, True, True]
+    ad.submit_unlock(keys)
 
 
 def test_wrong_shape_is_a_miss_not_wrong_data(make_adapter):

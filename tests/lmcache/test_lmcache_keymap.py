@@ -73,3 +73,25 @@ def test_a_batch_of_keys_is_named_as_each_key_alone():
     ]
     assert object_names(odd, "ns") == [object_name(k, "ns") for k in odd]
     assert object_names([], "ns") == []
+
+
+def test_a_batch_of_mp_keys_is_named_as_each_key_alone():
+    """`mp_object_names` (an MP lookup names a request's keys at once, spelling each run
+    of keys that share model, kv_rank, group and salt once) gives each key its own name."""
+    from kvstore_lmcache.keymap import mp_object_name, mp_object_names
+    from kvstore_lmcache.l2_sync import object_key
+
+    keys = [
+        object_key(1),
+        object_key(2),
+        object_key(3, model="other/model"),  # the run changes with the model...
+        object_key(4, kv_rank=(2 << 24) | (1 << 16)),  # ...the rank...
+        object_key(5, object_group_id=1),  # ...the group...
+        object_key(6, cache_salt="tenant-a"),  # ...and the salt
+        object_key(7, cache_salt="tenant-a"),
+        object_key(8),
+    ]
+    names = mp_object_names(keys, "ns")
+    assert names == [mp_object_name(k, "ns") for k in keys]
+    assert len(set(names)) == len(keys)
+    assert mp_object_names([], "ns") == []

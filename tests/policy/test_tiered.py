@@ -164,6 +164,38 @@ async def test_known_prefix_answers_from_the_books_and_leaves_unknown_names_to_t
         assert blind.known_prefix([name(0)]) == 0
 
 
+async def test_lookup_now_answers_each_name_pins_what_it_found_and_defers_to_the_loop() -> None:
+    """`lookup_now` on another thread: per name, held or not, with the held names pinned
+    so the loop's next eviction passes them over; None (ask on the loop) while the loop
+    is changing the books or where a tier holds a name the books do not know."""
+    size = await frame_size()
+    store = TieredStore(
+        [TierSpec(Tier(MemoryBackend("mem://")), capacity=3 * size, policy="lru")], discover=True
+    )
+    await store.put_many([(name(0), chunk(0)), (name(1), chunk(1))])
+    found = await asyncio.to_thread(store.lookup_now, [name(0), name(7), name(1)], 60)
+    assert found == [True, False, True]
+    assert store.stats().pinned == 2
+    for i in range(2, 8):  # pressure: only name(0) and name(1) are pinned, the rest make room
+        await store.put_many([(name(i), chunk(i))])
+    assert await store.contains_many([name(0), name(1)]) == [True, True]
+    assert await asyncio.to_thread(store.lookup_now, [name(2)], 60) == [False]  # evicted meanwhile
+    with store.parts.changing():  # the loop is in the middle of a decision
+        assert await asyncio.to_thread(store.lookup_now, [name(0)], 60) is None
+    store.unpin([name(0), name(1)])
+    assert store.stats().pinned == 0
+    other = MemoryBackend("mem://")
+    shared = TieredStore([TierSpec(Tier(other))], discover=True)
+    await Tier(other).put_many([(name(9), chunk(9))])  # written past the books: another process's
+    assert await asyncio.to_thread(shared.lookup_now, [name(9)], 60) is None  # the loop adopts it
+    assert await shared.contains_many([name(9)]) == [True]
+    got = await shared.get_many([name(9)])  # a read adopts it into the books
+    assert got[0] is not None and torch.equal(got[0], chunk(9))
+    assert await asyncio.to_thread(shared.lookup_now, [name(9)], 60) == [True]
+    await shared.close()
+    await store.close()
+
+
 async def test_pinned_chunks_survive_pressure_until_unpinned_or_expired() -> None:
     size = await frame_size()
     clock = FakeClock()
