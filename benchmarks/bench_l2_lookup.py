@@ -13,6 +13,10 @@ alternates every round, ``--lookups`` lookups of each kind:
 * ``miss``: a prompt never stored (no chunk is held);
 * ``half``: the first half of a stored prompt, then chunks never stored.
 
+kvstore answers a lookup its books can answer on the caller's thread, asking a disk tier
+(a ``stat``) about at most 64 chunks it does not hold (`kvstore.tiered.lookup`); a longer
+miss goes to its loop: ``--chunks`` above 64 times that path.
+
 Figures: microseconds per lookup (the median of the round's calls, then the median of the
 rounds), and per round LMCache's time ÷ kvstore's (above 1.0: kvstore answers faster),
 min / median / max over rounds.  ``torch.set_num_threads(1)``.

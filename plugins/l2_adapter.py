@@ -116,6 +116,7 @@ class KVStoreL2AdapterConfig(L2AdapterConfigBase):
 class L2Counters:
     lookups: int = 0
     lookup_hits: int = 0
+    lookup_tasks_at_submit: int = 0  # lookup tasks answered on the server's thread, no hop to the loop
     loads: int = 0
     load_hits: int = 0
     stores: int = 0
@@ -313,7 +314,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._note_chains(keys, names)
         hits = None if self._closed else self._lookup_now(names)
         if hits is not None:  # answered from the books on this thread: no hop to the loop
-            self._lookup_done(tid, hits)
+            self._lookup_done(tid, hits, at_submit=True)
             return tid
         coro = self._lookup(names)
         if self._admit(coro):
@@ -360,28 +361,26 @@ class KVStoreL2Adapter(L2AdapterInterface):
     async def _lookup(self, names: list[str | None]) -> list[bool]:
         asked = [n for n in names if n is not None]
         found = await self.runtime.store.contains_many(asked)
-        hits = self._lock_hits(names, iter(found))
-        held = [n for n, h in zip(names, hits) if h and n is not None]
-        if held:
-            self.runtime.store.pin(held, ttl=self.config.lock_ttl_s)
-        return hits
+        return self._lock_hits(names, iter(found))
 
     def _lock_hits(self, names: list[str | None], found: Iterator[bool]) -> list[bool]:
         """Per name, found or not (`found` answers the names that are not None); one
-        lookup lock taken per name found."""
+        lookup lock taken per name found, and its pin (re)set with the count, under the
+        lock `submit_unlock` unpins under, so a count never stands without its pin."""
         hits = [n is not None and next(found) for n in names]
         held = [n for n, h in zip(names, hits) if h and n is not None]
         if held:
             with self._lock:
                 for n in held:
                     self._locks[n] += 1
+                self.runtime.store.pin(held, ttl=self.config.lock_ttl_s)
         return hits
 
     async def _finish_lookup(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], n: int) -> None:
         hits = await self._bounded(coro, self.config.store.timeout_s, f"lookup of {n} chunk(s)")
         self._lookup_done(tid, hits if hits is not None else [False] * n)
 
-    def _lookup_done(self, tid: L2TaskId, hits: list[bool]) -> None:
+    def _lookup_done(self, tid: L2TaskId, hits: list[bool], *, at_submit: bool = False) -> None:
         """Count the lookup and hand its bitmap to LMCache (from the loop or the caller's thread)."""
         n = len(hits)
         bitmap = Bitmap(n)
@@ -389,9 +388,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if hit:
                 bitmap.set(i)
         with self._lock:  # both threads count
+            self.counters.lookup_tasks_at_submit += at_submit
             self.counters.lookups += n
             self.counters.lookup_hits += bitmap.popcount()
-        self.runtime.saw_lookups(n)
+            self.runtime.saw_lookups(n)
         self._complete_lookup(tid, bitmap)
 
     def _complete_lookup(self, tid: L2TaskId, bitmap: Bitmap) -> None:
@@ -414,8 +414,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 if self._locks[name] == 0:
                     del self._locks[name]
                     free.append(name)
-        if free and not self._closed:  # pins may change on any thread: no wake-up of the loop
-            self.runtime.store.unpin(free)
+            if free and not self._closed:  # pins may change on any thread: no wake-up of the loop
+                self.runtime.store.unpin(free)
 
     # ---------------------------------------------------------------------- load
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:

@@ -13,6 +13,13 @@ from collections.abc import Sequence
 
 from kvstore.tiered.parts import Parts
 
+# `known` asks a tier's `contains_now` about at most KNOWN_BATCH names a call (the disk
+# tier stats no more than 8 on the caller's thread at once, and backs off after slow
+# batches) and answers None past KNOWN_MAX_ASKED names the books do not hold: a long
+# prompt's miss is then asked on the loop, whose stats leave the caller's thread free.
+KNOWN_BATCH = 8
+KNOWN_MAX_ASKED = 64
+
 
 class Lookup:
     def __init__(self, parts: Parts) -> None:
@@ -97,14 +104,17 @@ class Lookup:
         found = self._servable_each(names, now)
         if p.discover and not all(found):
             ask = [n for n, f in zip(names, found) if not f and self.discoverable(n)]
+            if len(ask) > KNOWN_MAX_ASKED:
+                return None
             for j, tier in enumerate(p.tiers):
                 if not ask:
                     break
                 if p.guard.refusing(j):
                     continue
-                held = tier.backend.contains_now(ask)
-                if held is None or any(held):
-                    return None
+                for k in range(0, len(ask), KNOWN_BATCH):
+                    held = tier.backend.contains_now(ask[k : k + KNOWN_BATCH])
+                    if held is None or any(held):
+                        return None
         return found if p.unchanged_since(stamp) else None
 
     def _absent_now(self, name: str) -> bool:

@@ -60,11 +60,12 @@ class Reader:
             await asyncio.gather(*reads)
         finally:
             p.inflight.complete(ticket)
-        for i, name in enumerate(names):
-            if not served[i]:
-                p.metrics.misses.labels(namespace_of(name)).inc()
-                continue
-            moves.extend(p.placement.hit(name, NO_META, p.inflight))
+        with p.changing():  # a hit may promote, and so choose victims: one stretch
+            for i, name in enumerate(names):
+                if not served[i]:
+                    p.metrics.misses.labels(namespace_of(name)).inc()
+                    continue
+                moves.extend(p.placement.hit(name, NO_META, p.inflight))
         await self.mover.carry_out(moves)
         p.update_gauges()
         return result
@@ -155,10 +156,11 @@ class Reader:
                     still.append(i)
                     continue
                 if self.lookup.discoverable(name):  # nobody stored it meanwhile
-                    moves.extend(p.placement.adopt(name, j, size, p.inflight))
-                    p.inflight.placing(name, j)  # (a read of an older object there must not drop it)
-                    if p.placement.where(name) is not None and name not in p.book:
-                        p.book.add(name, size, now)
+                    with p.changing():  # adopting may choose victims
+                        moves.extend(p.placement.adopt(name, j, size, p.inflight))
+                        p.inflight.placing(name, j)  # (a read of an older object there must not drop it)
+                        if p.placement.where(name) is not None and name not in p.book:
+                            p.book.add(name, size, now)
                     p.counters.discovered += 1
                     adopted.append((name, size))
                 if status == HIT:
@@ -173,6 +175,7 @@ class Reader:
                 held = await p.guard.contains(k, [n for n, _ in adopted])
                 for (name, size), h in zip(adopted, held):
                     if h and p.placement.where(name) is not None and not p.inflight.copying(name):
-                        moves.extend(p.placement.adopt(name, k, size, p.inflight))
-                        p.inflight.placing(name, k)
+                        with p.changing():
+                            moves.extend(p.placement.adopt(name, k, size, p.inflight))
+                            p.inflight.placing(name, k)
             todo = still

@@ -177,10 +177,12 @@ class TieredStore:
         lookup's time); None when that cannot be done (see `Lookup.known`): run
         `contains_many` and `pin` on the loop then.
 
-        The found names are pinned first and the books read again after: a victim is
-        chosen on the loop inside a `Parts.changing` stretch, so one chosen after the
-        pin sees it, and one chosen before it is off the books by the second read (or
-        that read overlaps the stretch and answers None).  On None the pins stay until
+        The found names are pinned first and the books read again after: the loop
+        chooses victims (writes, promotions on a hit, adoptions) and takes names off the
+        books (deletes, expiry, a tier's own evictions) inside `Parts.changing`
+        stretches, so a victim chosen after the pin sees it, and one chosen before it is
+        off the books by the second read (or that read overlaps the stretch and answers
+        None).  On None the pins stay until
         they expire or are unpinned (a pin is a name's, not a caller's: one taken here
         may be another lookup's too)."""
         if self._closed:
@@ -232,12 +234,13 @@ class TieredStore:
         existed = []
         moves: list[Move] = []
         unknown: list[int] = []
-        for i, name in enumerate(names):
-            existed.append(self.placement.where(name) is not None)
-            if self.discover and not existed[-1] and self.lookup.discoverable(name):
-                unknown.append(i)
-            moves.extend(self.placement.delete(name))
-            self.book.discard(name)
+        with self.parts.changing():
+            for i, name in enumerate(names):
+                existed.append(self.placement.where(name) is not None)
+                if self.discover and not existed[-1] and self.lookup.discoverable(name):
+                    unknown.append(i)
+                moves.extend(self.placement.delete(name))
+                self.book.discard(name)
         await self.mover.carry_out(moves)
         if unknown:
             asked = [names[i] for i in unknown]
@@ -261,10 +264,11 @@ class TieredStore:
         if not gone:
             return
         moves: list[Move] = []
-        for name in gone:
-            moves.extend(self.placement.delete(name))
-            self.book.discard(name)
-            self.metrics.expired.labels(namespace_of(name)).inc()
+        with self.parts.changing():
+            for name in gone:
+                moves.extend(self.placement.delete(name))
+                self.book.discard(name)
+                self.metrics.expired.labels(namespace_of(name)).inc()
         await self.mover.carry_out(moves)
 
     async def drain(self) -> None:

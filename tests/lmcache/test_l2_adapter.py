@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -108,11 +109,13 @@ def test_lookups_are_answered_at_submit_and_their_locks_hold_under_pressure(make
     other = make_adapter([url])  # a second server process on the same directory
     keys = [okey(i) for i in range(3)]
     assert store(ad, keys, [kv(i) for i in range(3)])
-    tid = ad.submit_lookup_and_lock_task([*keys, okey(99)], {})
+    with mock.patch.object(ad.runtime, "submit", side_effect=AssertionError("the lookup went to the loop")):
+        tid = ad.submit_lookup_and_lock_task([*keys, okey(99)], {})
     bitmap = ad.query_lookup_and_lock_result(tid)
     assert bitmap is not None, "a lookup the books answer is complete at submit"
     assert [bitmap.test(i) for i in range(4)] == [True, True, True, False]
     assert ad.counters.lookups == 4 and ad.counters.lookup_hits == 3
+    assert ad.counters.lookup_tasks_at_submit == 1
     for t in range(6):  # four times the rest of the tier's room, in fresh chunks
         fresh = [okey(1000 + 10 * t + i) for i in range(2)]
         assert store(ad, fresh, [kv(1000 + 10 * t + i) for i in range(2)])
