@@ -1,4 +1,4 @@
-"""MP mode: lookup latency of kvstore's L2 adapter against LMCache's ``fs_native`` and ``fs``.
+"""MP mode: lookup latency of kvstore's L2 adapter against LMCache's ``fs_native`` and ``fs`` (or ``resp``).
 
 LMCache's MP server asks its L2 adapters about a request's chunks (a lookup-and-lock
 task) whenever its L1 does not hold them all, before anything is loaded, so the time a
@@ -21,12 +21,17 @@ Figures: microseconds per lookup (the median of the round's calls, then the medi
 rounds), and per round LMCache's time ÷ kvstore's (above 1.0: kvstore answers faster),
 min / median / max over rounds.  ``torch.set_num_threads(1)``.
 
-Usage: ``python benchmarks/bench_l2_lookup.py [--chunks 8] [--rounds 9] [--lookups 200]``.
+``--kind redis`` compares kvstore's ``redis://`` tier with LMCache's ``resp`` adapter on one
+local ``redis-server`` the script starts (kvstore asks Redis on its loop: a Redis tier
+cannot answer on the caller's thread).
+
+Usage: ``python benchmarks/bench_l2_lookup.py [--kind disk|redis] [--chunks 8] [--rounds 9] [--lookups 200]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import statistics
@@ -49,12 +54,23 @@ KINDS = ("hit", "miss", "half")
 MISS_BASE = 1 << 40  # keys of chunks never stored
 
 
-def adapters(root: str) -> dict[str, SyncL2]:
-    specs = {
-        "kvstore-file": kvstore_spec([f"file://{root}/kvstore"]),
-        "lmcache-fs-native": {"type": "fs_native", "base_path": f"{root}/lmcache-fs-native"},
-        "lmcache-fs": {"type": "fs", "base_path": f"{root}/lmcache-fs"},
-    }
+def adapters(root: str, kind: str, stack: contextlib.ExitStack) -> dict[str, SyncL2]:
+    """kvstore's adapter first, then LMCache's of the same kind."""
+    if kind == "redis":
+        from kvstore.testing.redis_server import RedisServer
+
+        server = RedisServer(extra=["--maxmemory", "0"]).start()
+        stack.callback(server.close)
+        specs = {
+            "kvstore-redis": kvstore_spec([server.url]),
+            "lmcache-resp": {"type": "resp", "host": server.host, "port": server.port},
+        }
+    else:
+        specs = {
+            "kvstore-file": kvstore_spec([f"file://{root}/kvstore"]),
+            "lmcache-fs-native": {"type": "fs_native", "base_path": f"{root}/lmcache-fs-native"},
+            "lmcache-fs": {"type": "fs", "base_path": f"{root}/lmcache-fs"},
+        }
     out = {}
     for name, spec in specs.items():
         try:
@@ -80,13 +96,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts stored before the rounds")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--lookups", type=int, default=200, help="lookups per kind, adapter and round")
+    ap.add_argument("--kind", choices=("disk", "redis"), default="disk", help="disk: vs fs_native and fs; redis: vs resp")
     args = ap.parse_args()
     torch.set_num_threads(1)
     shape = SHAPES["smollm2"]
     data = [torch.randn(shape).to(torch.bfloat16) for _ in range(args.chunks)]
     times: dict[tuple[str, str], list[float]] = {}
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as root:
-        ads = adapters(root)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as root, contextlib.ExitStack() as stack:
+        ads = adapters(root, args.kind, stack)
+        ours = next(iter(ads))
         try:
             for l2 in ads.values():
                 for p in range(args.prompts):
@@ -117,9 +135,9 @@ def main() -> None:
         f"\nL2 lookup-and-lock of {args.chunks}-chunk prompts, {args.lookups} per kind, adapter and round, "
         f"{args.rounds} rounds; us per lookup (median of rounds)\n"
     )
-    others = [n for n in ads if n != "kvstore-file"]
+    others = [n for n in ads if n != ours]
     print(
-        "| lookup | kvstore-file us | "
+        f"| lookup | {ours} us | "
         + " | ".join(f"{n} us" for n in others)
         + " | "
         + " | ".join(f"{n} ÷ kvstore per round" for n in others)
@@ -127,7 +145,7 @@ def main() -> None:
     )
     print("|---|---:|" + "---:|" * len(others) + "---|" * len(others))
     for kind in KINDS:
-        kv = times[("kvstore-file", kind)]
+        kv = times[(ours, kind)]
         cells = [us(kv)] + [us(times[(n, kind)]) for n in others]
         ratios = [spread([a / b for a, b in zip(times[(n, kind)], kv)]) for n in others]
         print(f"| {kind} | " + " | ".join(cells + ratios) + " |")

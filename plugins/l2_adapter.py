@@ -44,6 +44,7 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
+from kvstore.deadlines import within
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
@@ -194,7 +195,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
     async def _bounded(self, coro: Coroutine[Any, Any, Any], timeout: float, what: str) -> Any:
         """Run `coro` under `timeout`; None on timeout or error (counted, breaker told)."""
         try:
-            result = await asyncio.wait_for(coro, timeout=timeout)
+            result = await within(coro, timeout)
         except asyncio.TimeoutError:
             self.counters.timeouts += 1
             log.warning("kvstore L2: %s took longer than %.1fs; served as a miss", what, timeout)

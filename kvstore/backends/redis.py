@@ -746,9 +746,16 @@ class RedisBackend(Backend):
         out = [False] * len(names)
 
         async def job() -> None:
+            pfx = self.options.prefix
+            # TYPE, not EXISTS: a key of another type holds no object of ours
+            if self.streams is not None:  # one packed round trip on a raw socket
+                keys = [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
+                for i, t in enumerate(await self.streams.types(keys)):
+                    out[i] = t == b"string"
+                return
             pipe = self.client.pipeline(transaction=False)
-            for n in names:  # TYPE, not EXISTS: a key of another type holds no object of ours
-                pipe.execute_command("TYPE", layout.data_key(self.options.prefix, n))
+            for n in names:
+                pipe.execute_command("TYPE", layout.data_key(pfx, n))
             for i, r in enumerate(await pipe.execute()):
                 out[i] = (r.decode() if isinstance(r, bytes) else str(r)) == "string"
 

@@ -171,6 +171,23 @@ class RespStreams:
             s.close()
         self._idle.clear()
 
+    # -- lookups ---------------------------------------------------------------------
+    async def types(self, keys: Sequence[bytes]) -> list[bytes]:
+        """``TYPE`` of each key (``b"string"``, ``b"none"``, ...) in one round trip: what a
+        lookup asks, without redis-py's per-command packing and parsing (most of a
+        lookup's time through it).  `RespError` if the server answers with an error."""
+        if not keys:
+            return []
+        loop = asyncio.get_running_loop()
+        async with self._lease() as lease:
+            await loop.sock_sendall(lease.sock, b"".join(pack(b"TYPE", k) for k in keys))
+            lines = await _read_lines(loop, lease.sock, len(keys))
+            lease.whole = True
+        bad = next((line for line in lines if not line.startswith(b"+")), None)
+        if bad is not None:
+            raise RespError(f"Redis answered TYPE with {bad[:80]!r}")
+        return [line[1:] for line in lines]
+
     # -- the write -------------------------------------------------------------------
     async def stream_set(self, key: bytes, parts: Sequence[memoryview], px: int | None) -> bool:
         """SET `key` to the concatenation of `parts`, sent as they are (never joined);
@@ -316,6 +333,22 @@ async def _read_line(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> by
             raise RespError("Redis closed the connection")
         line += chunk
     return line[:-2]
+
+
+async def _read_lines(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> list[bytes]:
+    """The next `n` one-line replies (simple strings, integers, errors), read in blocks;
+    anything past them (the server sends nothing unasked) breaks the protocol."""
+    buf = b""
+    lines: list[bytes] = []
+    while len(lines) < n:
+        chunk = await loop.sock_recv(sock, 1 << 16)
+        if not chunk:
+            raise RespError("Redis closed the connection mid-reply")
+        *done, buf = (buf + chunk).split(b"\r\n")
+        lines += done
+    if buf or len(lines) != n:
+        raise RespError("Redis sent more than the replies asked for")
+    return lines
 
 
 async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from kvstore.backends.breaker import BreakerState, CircuitBreaker
+from kvstore.deadlines import within
 from kvstore.store_metrics import StoreMetrics
 from kvstore.tier import Tier
 
@@ -60,7 +61,7 @@ class TierGuard:
         if timeout is not None and write:
             timeout = max(30.0, 6 * timeout)
         try:
-            result = await asyncio.wait_for(coro, timeout) if timeout is not None else await coro
+            result = await within(coro, timeout)
         except asyncio.TimeoutError:
             breaker.record(False)
             self.metrics.errors.labels(op=f"{what} timeout", tier=self.labels[j]).inc()
