@@ -233,6 +233,7 @@ class RedisBackend(Backend):
         self.cluster = isinstance(client, RedisCluster)
         self._ttls = dict(self.options.ttl_by_namespace)
         self._big = asyncio.Semaphore(self.options.inflight)
+        self._lookups = asyncio.Semaphore(self.options.inflight)  # raw-socket TYPE pipelines at once
         self._failing = False
         self._server: dict[str, Any] = {}
         self._typical = 0  # size of the last single-part object moved: routes gets (see get_many)
@@ -331,8 +332,12 @@ class RedisBackend(Backend):
         if not jobs:
             return []
         if len(jobs) == 1 and not isinstance(nbytes, Budget):  # one job, a fixed deadline: no task of its own
+            deadline = self.options.deadline(nbytes)
             try:
-                await within(jobs[0], self.options.deadline(nbytes))
+                await within(jobs[0], deadline)
+            except asyncio.TimeoutError:
+                self._fault(op, asyncio.TimeoutError(f"batch deadline of {deadline:.1f}s passed"))
+                return [True]
             except FAULTS as fault:
                 self._fault(op, fault)
                 return [True]
@@ -759,7 +764,9 @@ class RedisBackend(Backend):
             # TYPE, not EXISTS: a key of another type holds no object of ours
             if self.streams is not None:  # one packed round trip on a raw socket
                 keys = [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
-                for i, t in enumerate(await self.streams.types(keys)):
+                async with self._lookups:  # at most `inflight` sockets: the pool keeps that many
+                    types = await self.streams.types(keys)
+                for i, t in enumerate(types):
                     out[i] = t == b"string"
                 return
             pipe = self.client.pipeline(transaction=False)

@@ -157,7 +157,7 @@ class RespStreams:
         """An idle socket (or a new one) for one command; it goes back to the pool only
         when the body marked its reply read whole (``lease.whole``), else it is closed:
         a socket left mid-reply would hand its rest to the next command."""
-        lease = _Lease(self._idle.pop() if self._idle else await self._connect())
+        lease = _Lease(self._take_idle() or await self._connect())
         try:
             yield lease
         finally:
@@ -165,6 +165,20 @@ class RespStreams:
                 self._idle.append(lease.sock)
             else:
                 lease.sock.close()
+
+    def _take_idle(self) -> socket.socket | None:
+        """An idle socket the server has not closed (an idle timeout, a restart, a killed
+        client leave one that would fail the next command), or None."""
+        while self._idle:
+            sock = self._idle.pop()
+            try:
+                sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return sock  # nothing to read: open and quiet, as an idle socket must be
+            except OSError:
+                pass
+            sock.close()  # closed by the server (an empty read), reset, or holding bytes nobody asked for
+        return None
 
     def close(self) -> None:
         for s in self._idle:
@@ -182,8 +196,8 @@ class RespStreams:
         async with self._lease() as lease:
             await loop.sock_sendall(lease.sock, b"".join(pack(b"TYPE", k) for k in keys))
             lines = await _read_lines(loop, lease.sock, len(keys))
-            lease.whole = True
-        bad = next((line for line in lines if not line.startswith(b"+")), None)
+            bad = next((line for line in lines if not line.startswith(b"+")), None)
+            lease.whole = bad is None  # after an error the server may be closing the socket: never reuse it
         if bad is not None:
             raise RespError(f"Redis answered TYPE with {bad[:80]!r}")
         return [line[1:] for line in lines]

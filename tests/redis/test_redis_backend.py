@@ -160,25 +160,35 @@ async def test_contains_delete_and_list_with_glob_characters(backend):
 
 async def test_contains_of_many_names_sees_only_objects_and_a_refused_type_is_a_logged_miss(redis_server, caplog):
     """Lookups go out as one packed TYPE pipeline on a raw socket: every name answered in
-    order, a key of another type under an object's key is no object, and a server that
-    refuses TYPE (an ACL) gives misses and a warning, never an exception."""
+    order (replies over several receive blocks), a key of another type under an object's
+    key is no object, a pooled socket the server dropped is not used again, and a server
+    that refuses TYPE (an ACL) gives misses and a warning, never an exception."""
     b = open_backend(f"{redis_server.url}?{FAST}")
     assert b.streams is not None  # plain TCP or unix socket: the raw-socket path
-    names = [f"ns/m/f-1-0/{i}" for i in range(100)]
-    assert await b.put_many([(n, b"v") for n in names[::2]]) == [True] * 50
+    calls = []
+    types = b.streams.types
+
+    async def counted(keys):
+        calls.append(len(keys))
+        return await types(keys)
+
+    b.streams.types = counted  # type: ignore[method-assign]
+    names = [f"ns/m/f-1-0/{i}" for i in range(10_000)]
+    assert await b.put_many([(n, b"v") for n in names[:100:2]]) == [True] * 50
     r = raw(redis_server)
     r.hset(layout.data_key("kv:", names[1]), "f", "v")
-    assert await b.contains_many(names) == [i % 2 == 0 for i in range(100)]
-    assert await b.contains_many(names[:4]) == [True, False, True, False]  # the socket is reused cleanly
+    assert await b.contains_many(names) == [i < 100 and i % 2 == 0 for i in range(10_000)]
+    assert calls == [10_000]
+    r.client_kill_filter(_type="normal")  # every client of the server, this backend's pooled socket too
+    assert await b.contains_many(names[:4]) == [True, False, True, False]
     await b.close()
+    r = raw(redis_server)
     r.acl_setuser("notype", enabled=True, passwords=["+pw"], keys=["kv:*"], commands=["+@all", "-type"])
-    host = f"{redis_server.host}:{redis_server.port}" if not redis_server.socket_path else None
-    if host is None:
-        return
-    nb = open_backend(f"redis://notype:pw@{host}/0?{FAST}")
+    nb = open_backend(f"redis://notype:pw@{redis_server.host}:{redis_server.port}/0?{FAST}")
     assert await nb.get("ns/m/f-1-0/0") is not None  # this user reads objects...
     assert await nb.contains_many(names[:2]) == [False, False]  # ...but may not ask TYPE
-    assert "contains failed" in caplog.text and "NOPERM" in caplog.text
+    assert "contains failed" in caplog.text and "Redis answered TYPE with" in caplog.text and "-NOPERM" in caplog.text
+    assert nb.streams is not None and not nb.streams._idle  # a socket that answered an error is not reused
     await nb.close()
 
 
