@@ -51,6 +51,11 @@ from bench_l2 import SHAPES, build_adapter, kvstore_spec, spread  # noqa: E402
 from kvstore_lmcache.l2_sync import SyncL2, object_key  # noqa: E402
 
 KINDS = ("hit", "miss", "half")
+
+
+def us(xs: list[float]) -> str:
+    """The median of per-round medians, in microseconds."""
+    return f"{statistics.median(xs) * 1e6:.0f}"
 MISS_BASE = 1 << 40  # keys of chunks never stored
 
 
@@ -130,7 +135,6 @@ def main() -> None:
         finally:
             for l2 in ads.values():
                 l2.adapter.close()  # type: ignore[attr-defined]
-    us = lambda xs: f"{statistics.median(xs) * 1e6:.0f}"  # noqa: E731
     print(
         f"\nL2 lookup-and-lock of {args.chunks}-chunk prompts, {args.lookups} per kind, adapter and round, "
         f"{args.rounds} rounds; us per lookup (median of rounds)\n"

@@ -86,7 +86,7 @@ class Lookup:
         if stamp is None:  # the loop is in the middle of changing the books
             return None
         n = self.servable_prefix(names, now)
-        if n < len(names) and self.p.discover and self.discoverable(names[n]) and not self._absent_now(names[n]):
+        if n < len(names) and self.p.discover and self.discoverable(names[n]) and not self._absent_now(names[n : n + 1]):
             return None
         # the loop may have changed the books while they were read: the reads could mix
         # two states (a name seen placed, then its failed write's mark seen cleared)
@@ -104,29 +104,22 @@ class Lookup:
         found = self._servable_each(names, now)
         if p.discover and not all(found):
             ask = [n for n, f in zip(names, found) if not f and self.discoverable(n)]
-            if len(ask) > KNOWN_MAX_ASKED:
+            if len(ask) > KNOWN_MAX_ASKED or not self._absent_now(ask):
                 return None
-            for j, tier in enumerate(p.tiers):
-                if not ask:
-                    break
-                if p.guard.refusing(j):
-                    continue
-                for k in range(0, len(ask), KNOWN_BATCH):
-                    held = tier.backend.contains_now(ask[k : k + KNOWN_BATCH])
-                    if held is None or any(held):
-                        return None
         return found if p.unchanged_since(stamp) else None
 
-    def _absent_now(self, name: str) -> bool:
-        """Every tier that answers says at once, on this thread, that it does not hold
-        `name` (`Backend.contains_now`; a tier failing fast holds nothing usable now)."""
+    def _absent_now(self, names: Sequence[str]) -> bool:
+        """Every tier that answers says at once, on this thread, that it holds none of
+        `names` (`Backend.contains_now`, asked `KNOWN_BATCH` names at a time; a tier
+        failing fast holds nothing usable now)."""
         p = self.p
         for j, tier in enumerate(p.tiers):
             if p.guard.refusing(j):
                 continue
-            held = tier.backend.contains_now([name])
-            if held is None or held[0]:
-                return False
+            for k in range(0, len(names), KNOWN_BATCH):
+                held = tier.backend.contains_now(names[k : k + KNOWN_BATCH])
+                if held is None or any(held):
+                    return False
         return True
 
     async def prefix(self, names: Sequence[str], now: float) -> int:
