@@ -400,11 +400,19 @@ def run(args: argparse.Namespace) -> dict:
             next(gen)
 
         host["connector load: request set-up + layer 0 queued"] = _first_layer_us(load_started, load_finish)
+        n = len(starts)
+        host["request rows: layer_rows(slot_mapping)"] = _host_us(lambda: paged.layer_rows(slots), cuda)
+        host["pipeline set-up, store (rows made)"] = _host_us(
+            lambda: conn._pipeline(paged, slots, starts, ends, [0] * n, store=True), cuda
+        )
+        host["pipeline set-up, load (rows deferred)"] = _host_us(
+            lambda: conn._pipeline(paged, slots, starts, ends, [0] * n, store=False), cuda
+        )
         host["obj.tensor (LMCache)"] = _host_us(lambda: objs[0][0].tensor, cuda)
         host["obj.metadata + obj.data_ptr (LMCache)"] = _host_us(
             lambda: (objs[0][0].metadata, objs[0][0].data_ptr), cuda
         )
-        drv = driver_calls()
+        drv = driver_calls(torch.cuda.current_device())
         if drv is not None:
             dp, hp, n = d.data_ptr(), h.data_ptr(), h.numel() * h.element_size()
             sh, eh = side.cuda_stream, ev.cuda_event
@@ -427,7 +435,7 @@ def run(args: argparse.Namespace) -> dict:
                 prof.disable()
                 torch.cuda.synchronize()
                 print(f"-- profile: connector {name}, 10 passes, sync=False")
-                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(28)
     return {
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,

@@ -4,7 +4,8 @@
 # both connectors, LMCache's own engine over GPU caches), then
 # benchmarks/bench_gpu_connector.py for each KV layout (pinned memory objects, with and
 # without the one-launch row copy; pageable ones through the staging pool), then
-# benchmarks/bench_gpu_layerwise.py (what bounds a layerwise pass, and its host costs).
+# benchmarks/bench_gpu_layerwise.py (what bounds a layerwise pass, and its host costs),
+# then benchmarks/bench_gpu_setup.py (one pass step by step: where a request's time goes).
 #
 #   bash scripts/gpu_check.sh            # results and logs in $OUT (default /tmp/kvstore-gpu-check)
 #
@@ -51,6 +52,10 @@ done
 echo "== bench_gpu_layerwise.py" | tee -a "$OUT/bench.log"
 timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_gpu_layerwise.py --repeats "${REPEATS:-21}" \
   --json "$OUT/json/layerwise.json" --trace "$OUT/trace" 2>&1 | grep -v " INFO" | tee -a "$OUT/bench.log"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== bench_gpu_setup.py" | tee -a "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-150}" python3 benchmarks/bench_gpu_setup.py 2>&1 | grep -v " INFO" | tee -a "$OUT/bench.log"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 tar -C "$OUT" -czf "$OUT/bench_json.tgz" json && rm -rf "$OUT/json"

@@ -34,6 +34,7 @@ Must not touch: index arithmetic (kvstore.gpu.layout), storage, policy.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,7 +46,7 @@ from kvstore.gpu.direct import DirectCopier, LayerCopies, TokenSpans
 from kvstore.gpu.driver import DriverCalls, driver_calls
 from kvstore.gpu.layout import KVLayout
 from kvstore.gpu.paged import PagedKVCache
-from kvstore.gpu.pipeline import LayerPipeline
+from kvstore.gpu.pipeline import LayerPipeline, PipelinePlan
 from kvstore.gpu.staging import DeviceScratch, PinnedPool
 from kvstore.gpu.transfer import CopyStream, HostBatch
 from kvstore.lmcache_paths import INPROCESS
@@ -388,6 +389,8 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         self.load_kernels = CopyStream(self.device)
         self._store_scratch_b = DeviceScratch(self.device)
         self._load_scratch_b = DeviceScratch(self.device)
+        self._plans: dict[bool, PipelinePlan] = {}  # the last request's, per direction (store: True)
+        self._checked = threading.local()  # .drivers: {torch's current device: DriverCalls}, per thread
 
     @property
     def _fmt(self) -> MemoryFormat:
@@ -500,8 +503,20 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         return wanted
 
     def _driver(self) -> DriverCalls | None:
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return driver_calls(index)
+        """The driver calls when this thread's CUDA context is this device's, checked once
+        per thread and device torch has current (the check is two driver calls; a
+        thread's context changes only with its device)."""
+        current = torch.cuda.current_device()
+        checked: dict[int, DriverCalls] | None = getattr(self._checked, "drivers", None)
+        if checked is None:
+            checked = self._checked.drivers = {}
+        calls = checked.get(current)
+        if calls is None:
+            index = self.device.index if self.device.index is not None else current
+            calls = driver_calls(index)
+            if calls is not None:
+                checked[current] = calls
+        return calls
 
     def _pipeline(
         self,
@@ -513,10 +528,16 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         *,
         store: bool,
     ) -> LayerPipeline:
-        """One request's pipeline over the tokens it moves (``skips`` of each chunk stay)."""
-        return LayerPipeline(
+        """One request's pipeline over the tokens it moves (``skips`` of each chunk stay).
+        A store's rows are made now (its first gather needs them); a load's when its
+        first scatter does, after its first copies are queued."""
+
+        def rows() -> torch.Tensor:
+            return paged.layer_rows(_kept_slots(slot_mapping, starts, ends, skips))
+
+        pipe = LayerPipeline(
             paged,
-            paged.layer_rows(_kept_slots(slot_mapping, starts, ends, skips)),
+            rows() if store else rows,
             self._spans([e - s - skip for s, e, skip in zip(starts, ends, skips, strict=True)]),
             copies=self.store_copies if store else self.load_copies,
             kernels=self.store_kernels if store else self.load_kernels,
@@ -524,7 +545,10 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             if store
             else (self._load_scratch, self._load_scratch_b),
             driver=self._driver() if self.store_copies.is_async else None,
+            reuse=self._plans.get(store),
         )
+        self._plans[store] = pipe.plan
+        return pipe
 
     @staticmethod
     def _pieces(
@@ -718,12 +742,12 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
         for layer in range(paged.num_layers):
             objs = yield
-            if sync:
-                self.load_copies.current_waits()  # compute on layer-1 sees its KV
             full = self._sent(layer, objs, len(spans))
             if layer == 0 and self._takes_pipeline(full):
                 yield from self._pipelined_to_gpu(paged, objs, full, starts, ends, skips, slot_mapping, sync)
                 return
+            if sync:
+                self.load_copies.current_waits()  # compute on layer-1 sees its KV
             copier = self._copier_for(paged, full, layerwise=True)
             with self.load_copies.scope():
                 if copier is not None:

@@ -141,18 +141,24 @@ class PagedLayout:
             return self.num_slots, 0
         return self.block_size, self.block_size
 
-    def rows(self, slots: torch.Tensor, *, token_major: bool = False) -> torch.Tensor:
+    def rows(
+        self, slots: torch.Tensor, *, token_major: bool = False, plane_offsets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Row indices (into :meth:`row_view`) of the tokens at ``slots``.
 
         ``token_major=False`` gives ``[kv_size, T]`` (K rows then V rows: the order of a
         ``KV_2LTD`` layer slice); ``token_major=True`` gives ``[T * kv_size]`` interleaved
         ``k0, v0, k1, v1, ...`` (the order of a ``KV_T2D`` layer tensor's rows).
+        ``plane_offsets``: ``arange(kv_size) * k_stride`` on the slots' device (a caller
+        that keeps it saves a launch per call); token-major rows are then one broadcast add.
         """
         slots = slots.to(torch.int64)
         k_stride, block = self.row_terms()
         # row_index in few kernels (this runs once per request, before its first copy):
         # (slot // block) * block * kv_size + slot % block == slot + (slot // block) * block * (kv_size - 1)
         base = slots.add(slots // block, alpha=block * (self.kv_size - 1)) if block else slots
+        if token_major and plane_offsets is not None:
+            return (base.unsqueeze(1) + plane_offsets).view(-1)
         planes = [base] + [base + k * k_stride for k in range(1, self.kv_size)]
         if token_major:
             return torch.stack(planes, dim=1).view(-1)

@@ -4,8 +4,9 @@ while its neighbour's copies are on the PCIe bus.
 
 Owns, for one request: the token-major row indices, two device scratch buffers (layer
 ``i`` uses buffer ``i % 2``) with each chunk's address in them worked out once, and the
-per-layer events that order the two streams, the caller's stream and the host; per
-layer, the handful of calls a store or load makes. A layer's copies of LMCache-sized
+per-layer events that order the two streams, the caller's stream and the host (the
+buffers, addresses and events are a :class:`PipelinePlan`, which the next request of
+the same geometry reuses); per layer, the handful of calls a store or load makes. A layer's copies of LMCache-sized
 chunks take ~85 us on an H100 and each torch call costs the host 1-9 us, so nothing here
 is computed per layer that can be computed per request, and the copies, records and
 waits go to the driver on raw handles (kvstore.gpu.driver, ~1 us each); only the gather
@@ -35,7 +36,8 @@ pageable-memory staging (kvstore.gpu.transfer), index arithmetic (kvstore.gpu.la
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,41 +46,129 @@ from kvstore.gpu.paged import PagedKVCache
 from kvstore.gpu.staging import DeviceScratch
 from kvstore.gpu.transfer import CopyStream
 
-__all__ = ["LayerPipeline"]
+__all__ = ["LayerPipeline", "PipelinePlan"]
+
+
+@dataclass(eq=False)
+class PipelinePlan:
+    """What a layer pipeline works out from a request's geometry once: the scratch
+    buffers as word rows, each chunk's address and size in them, the events and their
+    raw handles. The next request of the same geometry (same caches, chunk spans,
+    streams, and scratch allocations) takes it as it is: on a busy host each torch call
+    of a request's set-up costs 10-40 us, all before its first copy is queued."""
+
+    paged: PagedKVCache
+    spans: tuple[tuple[int, int], ...]
+    copies: CopyStream
+    kernels: CopyStream
+    scratch: tuple[tuple[DeviceScratch, int], ...]  # (scratch, its allocation's generation)
+    chunk_bytes: list[int]
+    addresses: list[list[int]]  # [buffer][chunk]
+    words: list[torch.Tensor]  # each buffer as the word rows the kernels move
+    done: list[torch.cuda.Event] = field(default_factory=list)
+    done_h: list[int] = field(default_factory=list)
+    ready_h: list[int] = field(default_factory=list)
+    moved_h: list[int] = field(default_factory=list)
+    start_h: tuple[int, int, int] = (0, 0, 0)  # caller's stream, copy stream, kernel stream
+    rows_h: int = 0
+
+    def fits(
+        self,
+        paged: PagedKVCache,
+        spans: tuple[tuple[int, int], ...],
+        copies: CopyStream,
+        kernels: CopyStream,
+        scratch: Sequence[DeviceScratch],
+    ) -> bool:
+        return (
+            self.paged is paged
+            and self.copies is copies
+            and self.kernels is kernels
+            and self.spans == spans
+            and len(scratch) >= 2
+            and all(s is t and s.generation == g for (t, g), s in zip(self.scratch, scratch[:2], strict=True))
+        )
+
+    @classmethod
+    def make(
+        cls,
+        paged: PagedKVCache,
+        spans: tuple[tuple[int, int], ...],
+        copies: CopyStream,
+        kernels: CopyStream,
+        scratch: Sequence[DeviceScratch],
+    ) -> PipelinePlan:
+        total = spans[-1][1] if spans else 0
+        shape = paged.layout.layer_chunk_shape(total)
+        buffers = [s.get(shape, paged.dtype) for s in scratch[:2]]
+        # A chunk's piece of a layer buffer is rows [a, b) of a contiguous [T, ...]
+        # tensor: its address and size are arithmetic, no view per chunk.
+        token_bytes = buffers[0].nbytes // total if total else 0
+        plan = cls(
+            paged,
+            spans,
+            copies,
+            kernels,
+            tuple((s, s.generation) for s in scratch[:2]),
+            [(b - a) * token_bytes for a, b in spans],
+            [[buf.data_ptr() + a * token_bytes for a, _ in spans] for buf in buffers],
+            [paged.layer_words(buf, total) for buf in buffers],
+            copies.events(paged.num_layers, "done"),  # returned, waited for by torch
+        )
+        if copies.stream is None or kernels.stream is None:
+            return plan
+        # Scratch memory made on the caller's stream is used on both (recorded once per
+        # allocation: the allocator keeps a block's streams until it is freed).
+        for s in scratch[:2]:
+            s.keep_for(copies.stream)
+            s.keep_for(kernels.stream)
+        plan.done_h = copies.handles(paged.num_layers, "done")
+        plan.ready_h = kernels.handles(paged.num_layers, "ready")
+        plan.moved_h = kernels.handles(paged.num_layers, "moved")
+        a, b, c, d = kernels.handles(4, "start")
+        plan.start_h, plan.rows_h = (a, b, c), d
+        return plan
 
 
 class LayerPipeline:
     """One request's layerwise copies between paged caches and per-chunk host memory.
 
     ``spans``: each chunk's ``[a, b)`` in the request's kept tokens (the rows of
-    ``rows`` are ``kv_size`` per token, token-major); ``copies`` runs the chunk copies and
-    ``kernels`` the gather/scatter kernels; ``scratch`` holds the two device buffers;
-    ``driver``: the driver calls (required on CUDA, unused on CPU).
+    ``rows`` are ``kv_size`` per token, token-major; ``rows`` may be a callable that makes
+    them on the caller's stream, called when the first gather or scatter is queued: a
+    load's first copies then start before the host works them out); ``copies`` runs the
+    chunk copies and ``kernels`` the gather/scatter kernels; ``scratch`` holds the two
+    device buffers; ``driver``: the driver calls (required on CUDA, unused on CPU);
+    ``reuse``: the previous request's :attr:`plan`, taken when it fits this one.
     """
 
     def __init__(
         self,
         paged: PagedKVCache,
-        rows: torch.Tensor,
+        rows: torch.Tensor | Callable[[], torch.Tensor],
         spans: Sequence[tuple[int, int]],
         *,
         copies: CopyStream,
         kernels: CopyStream,
         scratch: Sequence[DeviceScratch],
         driver: DriverCalls | None = None,
+        reuse: PipelinePlan | None = None,
     ) -> None:
         self.paged = paged
-        self.rows = rows
-        total = spans[-1][1] if spans else 0
-        shape = paged.layout.layer_chunk_shape(total)
-        self._buffers = [s.get(shape, paged.dtype) for s in scratch[:2]]
-        views = [[buf[a:b] for a, b in spans] for buf in self._buffers]
-        self.chunk_bytes = [v.numel() * v.element_size() for v in views[0]]
+        # A callable makes the rows on the caller's stream when the first scatter needs
+        # them: a load queues its first layer's copies before (they need no rows), so the
+        # copy engine starts while the host works out the request's row indices.
+        self._make_rows = None if isinstance(rows, torch.Tensor) else rows
+        self.rows: torch.Tensor | None = rows if isinstance(rows, torch.Tensor) else None
+        key = tuple(spans)
+        if reuse is None or not reuse.fits(paged, key, copies, kernels, scratch):
+            reuse = PipelinePlan.make(paged, key, copies, kernels, scratch)
+        self.plan = plan = reuse
+        """The request's geometry worked out (pass it as ``reuse`` to the next request)."""
+        self.chunk_bytes = plan.chunk_bytes
         """Bytes of each chunk's piece of one layer (what an address passed in must hold)."""
-        self._addresses = [[v.data_ptr() for v in vs] for vs in views]
-        self._words = [paged.layer_words(buf, total) for buf in self._buffers]
+        self._addresses, self._words, self._done = plan.addresses, plan.words, plan.done
         self._index = paged.device.index if paged.device.index is not None else 0
-        self._done = copies.events(paged.num_layers, "done")  # returned, waited for by torch
         self._driver: DriverCalls | None = None
         copy_stream, kernel_stream = copies.stream, kernels.stream
         if copy_stream is None or kernel_stream is None:
@@ -86,21 +176,38 @@ class LayerPipeline:
         if driver is None:
             raise ValueError("a CUDA layer pipeline needs the driver calls (kvstore.gpu.driver)")
         self._driver = driver
-        self._kernel_stream = kernel_stream
+        self._kernels, self._kernel_stream = kernels, kernel_stream
         self._copy_h, self._kernel_h = copy_stream.cuda_stream, kernel_stream.cuda_stream
-        self._done_h = [e.cuda_event for e in self._done]
-        self._ready_h = [e.cuda_event for e in kernels.events(paged.num_layers, "ready")]
-        self._moved_h = [e.cuda_event for e in kernels.events(paged.num_layers, "moved")]
-        caller = torch.cuda.current_stream(self._index)
-        # Device memory made or last used on other streams is used on both from here on,
-        # and this request's kernels and copies come after everything queued so far on
-        # the caller's stream and on each other's (earlier requests' copies included).
-        for t in (*self._buffers, rows):
-            copies.keep(t)
-            kernels.keep(t)
-        for a, b in ((copy_stream, kernel_stream), (kernel_stream, copy_stream)):
-            a.wait_stream(caller)
-            a.wait_stream(b)
+        self._done_h, self._ready_h, self._moved_h = plan.done_h, plan.ready_h, plan.moved_h
+        if self.rows is not None:  # made on the caller's stream, read on the kernel stream
+            kernels.keep(self.rows)
+        # This request's kernels and copies come after everything queued so far on the
+        # caller's stream and on each other's (earlier requests' copies and kernels read
+        # and write the same scratch buffers): three records and four waits on the
+        # driver, where torch's wait_stream would make and record an event per wait.
+        at_caller, at_copies, at_kernels = plan.start_h
+        caller_h = torch.cuda.current_stream(self._index).cuda_stream
+        driver.record(at_caller, caller_h)
+        driver.record(at_copies, self._copy_h)
+        driver.record(at_kernels, self._kernel_h)
+        driver.wait(self._copy_h, at_caller)
+        driver.wait(self._copy_h, at_kernels)
+        driver.wait(self._kernel_h, at_caller)
+        driver.wait(self._kernel_h, at_copies)
+
+    def _rows(self, caller_h: int | None) -> torch.Tensor:
+        """The request's row indices, made on the caller's stream at the first call
+        (``caller_h``: that stream's handle on CUDA; the kernel stream then waits for it)."""
+        if self.rows is not None:
+            return self.rows
+        assert self._make_rows is not None
+        rows = self.rows = self._make_rows()
+        if caller_h is not None and self._driver is not None:
+            self._kernels.keep(rows)
+            made = self.plan.rows_h
+            self._driver.record(made, caller_h)
+            self._driver.wait(self._kernel_h, made)
+        return rows
 
     def _copy_inline(self, dsts: Sequence[int], srcs: Sequence[int]) -> None:
         for dst, src, n in zip(dsts, srcs, self.chunk_bytes, strict=True):
@@ -116,7 +223,7 @@ class LayerPipeline:
         b = layer % 2
         drv = self._driver
         if drv is None:  # CPU: inline
-            self.paged.gather_words(layer, self.rows, self._words[b])
+            self.paged.gather_words(layer, self._rows(None), self._words[b])
             self._copy_inline(dsts, self._addresses[b])
             return None
         kernel_h, copy_h = self._kernel_h, self._copy_h
@@ -125,9 +232,10 @@ class LayerPipeline:
         drv.wait(kernel_h, self._ready_h[layer])
         if layer >= 2:
             drv.wait(kernel_h, self._done_h[layer - 2])  # whose copies read this buffer
+        rows = self._rows(caller.cuda_stream)
         torch.cuda.set_stream(self._kernel_stream)
         try:
-            self.paged.gather_words(layer, self.rows, self._words[b])
+            self.paged.gather_words(layer, rows, self._words[b])
         finally:
             torch.cuda.set_stream(caller)
         gathered = self._moved_h[layer]
@@ -150,7 +258,7 @@ class LayerPipeline:
         drv = self._driver
         if drv is None:  # CPU: inline
             self._copy_inline(self._addresses[b], srcs)
-            self.paged.scatter_words(layer, self.rows, self._words[b])
+            self.paged.scatter_words(layer, self._rows(None), self._words[b])
             return None
         kernel_h, copy_h = self._kernel_h, self._copy_h
         caller = torch.cuda.current_stream(self._index)
@@ -164,9 +272,10 @@ class LayerPipeline:
         moved = self._moved_h[layer]
         drv.record(moved, copy_h)
         drv.wait(kernel_h, moved)
+        rows = self._rows(caller.cuda_stream)  # (the first layer's copies are queued)
         torch.cuda.set_stream(self._kernel_stream)
         try:
-            self.paged.scatter_words(layer, self.rows, self._words[b])
+            self.paged.scatter_words(layer, rows, self._words[b])
         finally:
             torch.cuda.set_stream(caller)
         drv.record(self._done_h[layer], kernel_h)

@@ -149,16 +149,34 @@ class DeviceScratch:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._buf: torch.Tensor | None = None
+        self._kept: set[int] = set()  # streams the current allocation was recorded on
+        self.generation = 0
+        """Counts allocations: views and addresses taken from :meth:`get` hold while it is unchanged."""
 
     def get(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         count = 1
         for s in shape:
             count *= int(s)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = count * dtype.itemsize
         if self._buf is None or self._buf.numel() < nbytes:
             grown = nbytes if self._buf is None else max(nbytes, 2 * self._buf.numel())
             self._buf = torch.empty(grown, dtype=torch.uint8, device=self.device)
+            self._kept.clear()
+            self.generation += 1
         return self._buf[:nbytes].view(dtype).view(shape)
+
+    def keep_for(self, stream: torch.cuda.Stream | None) -> None:
+        """Tell the caching allocator the current allocation is used on ``stream`` too
+        (``record_stream``), once per allocation: the allocator keeps a block's streams
+        until the block is freed, so a buffer reused by every request is recorded once,
+        not per request (each call costs the host a few microseconds)."""
+        buf = self._buf
+        if stream is None or buf is None or buf.device.type != "cuda":
+            return
+        key = stream.cuda_stream
+        if key not in self._kept:
+            buf.record_stream(stream)
+            self._kept.add(key)
 
     @property
     def nbytes(self) -> int:

@@ -430,3 +430,55 @@ def test_cuda_caches_with_pinned_or_device_memory_objects(layout, layerwise, row
     want_all = PagedKVCache(caches).gather(slots)
     assert torch.count_nonzero(got[:, :, :20]) == 0
     assert torch.equal(got[:, :, 20:], want_all[:, :, 20:])
+
+
+def test_pipeline_reuses_a_requests_plan_only_while_it_fits(layout):
+    """A request of the geometry of the one before takes its plan (scratch addresses,
+    word views, events) as it is; another geometry or a scratch buffer grown since gets a
+    new one; every request's bytes land where they belong either way."""
+    caches, slots, starts, ends = _sequence(layout, seed=13)
+    dtype = caches[0].dtype
+    store = LayerwisePagedKVConnector(caches, pipeline=True)
+    objs = _layer_objs(store, starts, ends, dtype)
+    fresh = make_caches(layout, fill="zeros")
+    load = LayerwisePagedKVConnector(fresh, pipeline=True)
+    src, dst = PagedKVCache(caches), PagedKVCache(fresh)
+
+    def round_trip(starts: list[int], ends: list[int], objs) -> None:
+        for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots):
+            pass
+        for c in fresh:
+            c.zero_()
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=slots)
+        next(gen)
+        for layer in range(load.num_layers):
+            gen.send(objs[layer])
+        next(gen)
+        kept = torch.cat([slots[s:e] for s, e in zip(starts, ends)])
+        assert torch.equal(dst.gather(kept), src.gather(kept))
+
+    round_trip(starts, ends, objs)
+    plans = dict(store._plans), dict(load._plans)
+    round_trip(starts, ends, objs)
+    assert store._plans[True] is plans[0][True] and load._plans[False] is plans[1][False]
+
+    # Fewer chunks: another plan (the spans differ).
+    round_trip(starts[:2], ends[:2], [layer[:2] for layer in objs])
+    assert load._plans[False] is not plans[1][False]
+    # The full request again after its scratch buffers were reallocated: rebuilt, not reused.
+    round_trip(starts, ends, objs)
+    again = load._plans[False]
+    load._load_scratch_b.get((4 * sum(LENGTHS), *caches[0].shape[-2:]), dtype)  # grows it
+    round_trip(starts, ends, objs)
+    assert load._plans[False] is not again
+
+
+def test_layer_rows_are_a_copy_of_the_slots(layout):
+    """Rows outlive the slot mapping they came from (vLLM refills it for its next step)."""
+    src = PagedKVCache(make_caches(layout))
+    lay = src.layout
+    slots = torch.cat(random_requests([40], num_blocks=lay.num_blocks, block_size=lay.block_size, seed=4).slots)
+    rows = src.layer_rows(slots)
+    assert torch.equal(rows, lay.rows(slots, token_major=True))
+    slots.fill_(0)
+    assert not torch.equal(rows, lay.rows(slots, token_major=True))
