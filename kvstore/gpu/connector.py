@@ -384,13 +384,21 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         super().__init__(kv_caches, **kwargs)
         self.pipeline = pipeline
         self._warned_no_driver = False
-        # Second stream and second scratch buffer of each direction's pipeline.
+        # Each direction's pipeline: its second stream and its two scratch buffers (its
+        # own, not the single-stream path's: the pipeline orders its buffers' users with
+        # its own events, which that path does not record).
         self.store_kernels = CopyStream(self.device)
         self.load_kernels = CopyStream(self.device)
-        self._store_scratch_b = DeviceScratch(self.device)
-        self._load_scratch_b = DeviceScratch(self.device)
+        self._store_pipe = (DeviceScratch(self.device), DeviceScratch(self.device))
+        self._load_pipe = (DeviceScratch(self.device), DeviceScratch(self.device))
         self._plans: dict[bool, PipelinePlan] = {}  # the last request's, per direction (store: True)
         self._checked = threading.local()  # .drivers: {torch's current device: DriverCalls}, per thread
+
+    def _bind_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedKVCache:
+        plans: dict[bool, PipelinePlan] | None = getattr(self, "_plans", None)  # (None in __init__)
+        if plans:
+            plans.clear()  # they hold the caches bound before
+        return super()._bind_caches(kv_caches)
 
     @property
     def _fmt(self) -> MemoryFormat:
@@ -541,9 +549,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             self._spans([e - s - skip for s, e, skip in zip(starts, ends, skips, strict=True)]),
             copies=self.store_copies if store else self.load_copies,
             kernels=self.store_kernels if store else self.load_kernels,
-            scratch=(self._store_scratch, self._store_scratch_b)
-            if store
-            else (self._load_scratch, self._load_scratch_b),
+            scratch=self._store_pipe if store else self._load_pipe,
             driver=self._driver() if self.store_copies.is_async else None,
             reuse=self._plans.get(store),
         )

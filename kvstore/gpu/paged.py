@@ -50,7 +50,13 @@ class PagedKVCache:
         self._tables = [self.layout.row_view(t) for t in self.kv_caches]
         self._word = _word_dtype(self.layout.width * self.layout.dtype.itemsize)
         self._word_tables = [t.view(self._word) for t in self._tables]
-        self._plane_offsets: torch.Tensor | None = None  # [kv_size] row offset of each plane
+        # [kv_size] row offset of each K/V plane, for token-major rows in one add. Made once,
+        # here, from host values: the copy waits for the caller's stream, so the offsets are
+        # on the device before any stream reads them.
+        k_stride, _ = self.layout.row_terms()
+        self._plane_offsets = torch.tensor(
+            [k * k_stride for k in range(self.layout.kv_size)], dtype=torch.int64, device=self.device
+        )
 
     @property
     def device(self) -> torch.device:
@@ -135,13 +141,7 @@ class PagedKVCache:
         tensor (never a view of ``slots``, which vLLM refills for its next step). One
         broadcast add on FlashAttention / MLA slots (three kernels on FlashInfer's): a
         request makes them before its first gather, each launch ~10-40 us of host time."""
-        slots = self.slots(slots)
-        offsets = self._plane_offsets
-        if offsets is None:
-            k_stride, _ = self.layout.row_terms()
-            offsets = torch.arange(self.layout.kv_size, dtype=torch.int64, device=self.device) * k_stride
-            self._plane_offsets = offsets
-        return self.layout.rows(slots, token_major=True, plane_offsets=offsets)
+        return self.layout.rows(self.slots(slots), token_major=True, plane_offsets=self._plane_offsets)
 
     def gather_layer(self, layer: int, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Copy one layer's tokens (``rows`` from :meth:`layer_rows`) into ``[T, K, W]``."""

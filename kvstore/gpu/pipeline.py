@@ -21,13 +21,22 @@ Ordering (CUDA; on CPU every call runs inline, in order, copies are ``memmove`` 
 events are made):
 
 * store, layer i: kernel stream waits for the caller's stream (the attention that wrote
-  the layer) and for the copies of layer i - 2 (which read the same scratch buffer);
-  gathers; the copy stream waits for the gather and copies each chunk to its object;
-  ``done[i]`` marks the copies.
-* load, layer i: the copy stream waits for the scatter of layer i - 2 (same buffer) and
-  copies each object into scratch; the kernel stream waits for those copies and
-  scatters; ``done[i]`` marks the scatter. The caller's stream waits for ``done[i]``
-  before it computes layer i.
+  the layer) and for ``free[i % 2]``, the last copies queued out of the same scratch
+  buffer (layer i - 2's, or another request's); gathers; the copy stream waits for the
+  gather and copies each chunk to its object; ``done[i]`` and ``free[i % 2]`` mark the
+  copies.
+* load, layer i: the copy stream waits for ``free[i % 2]``, the last scatter queued out
+  of the same buffer (layer i - 2's, or another request's), and copies each object into
+  scratch; the kernel stream waits for those copies (and, at the first scatter, for the
+  row indices, made on the caller's stream after the first copies were queued) and
+  scatters; ``done[i]`` and ``free[i % 2]`` mark the scatter. The caller's stream waits
+  for ``done[i]`` before it computes layer i.
+
+The ``free`` events belong to a direction, not a request: LMCache's vLLM adapter steps
+the generators of every request in a batch one layer at a time (A's layer 1, B's layer
+1, A's layer 2, ...), and all of them share that direction's two buffers and streams;
+waiting for the buffer's last user, whoever it was, keeps B's gather from overwriting
+rows A's copies have yet to read.
 
 Must not touch: LMCache objects and formats (the connector passes plain tensors),
 pageable-memory staging (kvstore.gpu.transfer), index arithmetic (kvstore.gpu.layout).
@@ -70,6 +79,7 @@ class PipelinePlan:
     ready_h: list[int] = field(default_factory=list)
     moved_h: list[int] = field(default_factory=list)
     start_h: tuple[int, int, int] = (0, 0, 0)  # caller's stream, copy stream, kernel stream
+    free_h: tuple[int, int] = (0, 0)  # each buffer's last reader queued, of any request
     rows_h: int = 0
 
     def fits(
@@ -127,6 +137,10 @@ class PipelinePlan:
         plan.moved_h = kernels.handles(paged.num_layers, "moved")
         a, b, c, d = kernels.handles(4, "start")
         plan.start_h, plan.rows_h = (a, b, c), d
+        # Kept by the direction's kernel stream, shared by every request of it (as are the
+        # buffers these events guard): see "Ordering" above.
+        free_a, free_b = kernels.handles(2, "free")
+        plan.free_h = (free_a, free_b)
         return plan
 
 
@@ -179,6 +193,7 @@ class LayerPipeline:
         self._kernels, self._kernel_stream = kernels, kernel_stream
         self._copy_h, self._kernel_h = copy_stream.cuda_stream, kernel_stream.cuda_stream
         self._done_h, self._ready_h, self._moved_h = plan.done_h, plan.ready_h, plan.moved_h
+        self._free_h = plan.free_h
         if self.rows is not None:  # made on the caller's stream, read on the kernel stream
             kernels.keep(self.rows)
         # This request's kernels and copies come after everything queued so far on the
@@ -230,8 +245,7 @@ class LayerPipeline:
         caller = torch.cuda.current_stream(self._index)
         drv.record(self._ready_h[layer], caller.cuda_stream)  # after the attention that wrote it
         drv.wait(kernel_h, self._ready_h[layer])
-        if layer >= 2:
-            drv.wait(kernel_h, self._done_h[layer - 2])  # whose copies read this buffer
+        drv.wait(kernel_h, self._free_h[b])  # the copies last queued out of this buffer
         rows = self._rows(caller.cuda_stream)
         torch.cuda.set_stream(self._kernel_stream)
         try:
@@ -245,6 +259,7 @@ class LayerPipeline:
             if n:
                 drv.copy(dst, src, n, copy_h)
         drv.record(self._done_h[layer], copy_h)
+        drv.record(self._free_h[b], copy_h)
         return self._done[layer]
 
     # -- load: host memory -> paged cache -----------------------------------------------
@@ -264,8 +279,7 @@ class LayerPipeline:
         caller = torch.cuda.current_stream(self._index)
         if caller_waits and layer:
             drv.wait(caller.cuda_stream, self._done_h[layer - 1])
-        if layer >= 2:
-            drv.wait(copy_h, self._done_h[layer - 2])  # whose scatter read this buffer
+        drv.wait(copy_h, self._free_h[b])  # the scatter last queued out of this buffer
         for dst, src, n in zip(self._addresses[b], srcs, self.chunk_bytes, strict=True):
             if n:
                 drv.copy(dst, src, n, copy_h)
@@ -279,6 +293,7 @@ class LayerPipeline:
         finally:
             torch.cuda.set_stream(caller)
         drv.record(self._done_h[layer], kernel_h)
+        drv.record(self._free_h[b], kernel_h)
         return self._done[layer]
 
     def caller_waits(self, layer: int) -> None:

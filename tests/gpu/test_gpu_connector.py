@@ -468,7 +468,7 @@ def test_pipeline_reuses_a_requests_plan_only_while_it_fits(layout):
     # The full request again after its scratch buffers were reallocated: rebuilt, not reused.
     round_trip(starts, ends, objs)
     again = load._plans[False]
-    load._load_scratch_b.get((4 * sum(LENGTHS), *caches[0].shape[-2:]), dtype)  # grows it
+    load._load_pipe[1].get((4 * sum(LENGTHS), *caches[0].shape[-2:]), dtype)  # grows it
     round_trip(starts, ends, objs)
     assert load._plans[False] is not again
 

@@ -248,3 +248,69 @@ def test_load_keeps_a_scratch_buffer_until_its_scatter_has_read_it():
     next(gen)
     torch.cuda.synchronize()
     assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
+
+
+def test_stores_stepped_in_turn_keep_each_requests_rows():
+    """LMCache's vLLM adapter steps every request's store one layer at a time (A's layer
+    i, B's layer i, A's layer i + 1, ...), and all of them share the direction's two
+    scratch buffers. With the copies held up, B's gather of layer i must wait for A's
+    copies of layer i out of the same buffer, or A's objects get B's rows. Same geometry
+    for both, so the second request also reuses the first one's plan."""
+    lengths = [CHUNK] * 4
+    starts, ends = _spans(lengths)
+    a_slots = _slots(ends[-1], seed=20)
+    b_slots = _slots(ends[-1], seed=20, after=ends[-1] // BLOCK)  # disjoint from a's
+    caches = _caches("random", seed=21)
+    conn = LayerwisePagedKVConnector(caches)
+    a_objs, b_objs = _objs(conn, lengths), _objs(conn, lengths)
+    gens = [
+        conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=False)
+        for objs, slots in ((a_objs, a_slots), (b_objs, b_slots))
+    ]
+    for step in range(LAYERS + 1):
+        for gen in gens:
+            next(gen)
+        if step == 0:
+            _hold(conn.store_copies.stream)
+    conn.store_copies.synchronize()
+    for objs, slots in ((a_objs, a_slots), (b_objs, b_slots)):
+        for layer in range(LAYERS):
+            for obj, s, e in zip(objs[layer], starts, ends):
+                assert torch.equal(obj.tensor.view(e - s, 2, -1), _want(caches, slots, layer, s, e)), layer
+
+
+def test_loads_stepped_in_turn_keep_each_requests_rows():
+    """The adapter's load order: each request's first two layers up front, then one layer
+    of each in turn (A0 A1 B0 B1 A2 B2 ...). With the scatters held up, B's copies into a
+    buffer must wait for A's scatter out of it, or A's cache gets B's bytes (held before
+    each round, B's copies would otherwise land while A's scatter still waits)."""
+    lengths = [CHUNK] * 4
+    starts, ends = _spans(lengths)
+    a_slots = _slots(ends[-1], seed=22)
+    b_slots = _slots(ends[-1], seed=22, after=ends[-1] // BLOCK)
+    src = _caches("random", seed=23)
+    store = LayerwisePagedKVConnector(src)
+    a_objs, b_objs = _objs(store, lengths), _objs(store, lengths)
+    for objs, slots in ((a_objs, a_slots), (b_objs, b_slots)):
+        for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
+            pass
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh)
+    gens = []
+    for objs, slots in ((a_objs, a_slots), (b_objs, b_slots)):
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=False)
+        next(gen)
+        gen.send(objs[0])
+        if not gens:
+            _hold(load.load_kernels.stream)
+        gen.send(objs[1])
+        gens.append((gen, objs))
+    for layer in range(2, LAYERS):
+        _hold(load.load_kernels.stream)  # A's scatter of this layer queued behind it
+        for gen, objs in gens:
+            gen.send(objs[layer])
+    for gen, _ in gens:
+        next(gen)
+    torch.cuda.synchronize()
+    for slots in (a_slots, b_slots):
+        assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
