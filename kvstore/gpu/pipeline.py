@@ -6,8 +6,9 @@ Owns, for one request: the token-major row indices, two device scratch buffers (
 ``i`` uses buffer ``i % 2``) with each chunk's address in them worked out once, and the
 per-layer events that order the two streams, the caller's stream and the host (the
 buffers, addresses and events are a :class:`PipelinePlan`, which the next request of
-the same geometry reuses); per layer, the handful of calls a store or load makes. A layer's copies of LMCache-sized
-chunks take ~85 us on an H100 and each torch call costs the host 1-9 us, so nothing here
+the same geometry reuses); per layer, the handful of calls a store or load makes. A
+layer's copies of LMCache-sized chunks take ~85 us on an H100 and each torch call costs
+the host 1-9 us (2-4x that inside a pass), so nothing here
 is computed per layer that can be computed per request, and the copies, records and
 waits go to the driver on raw handles (kvstore.gpu.driver, ~1 us each); only the gather
 or scatter kernel is a torch call (see ``benchmarks/bench_gpu_layerwise.py``).
@@ -36,7 +37,9 @@ The ``free`` events belong to a direction, not a request: LMCache's vLLM adapter
 the generators of every request in a batch one layer at a time (A's layer 1, B's layer
 1, A's layer 2, ...), and all of them share that direction's two buffers and streams;
 waiting for the buffer's last user, whoever it was, keeps B's gather from overwriting
-rows A's copies have yet to read.
+rows A's copies have yet to read. The other events are a direction's too, each recorded
+and waited for in one call, except ``done[i]``: a wait on it waits for the last request
+that queued layer i, on the same stream after this one's, so never for less.
 
 Must not touch: LMCache objects and formats (the connector passes plain tensors),
 pageable-memory staging (kvstore.gpu.transfer), index arithmetic (kvstore.gpu.layout).
