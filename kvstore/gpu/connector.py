@@ -46,7 +46,7 @@ from kvstore.gpu.direct import DirectCopier, LayerCopies, TokenSpans
 from kvstore.gpu.driver import DriverCalls, driver_calls
 from kvstore.gpu.layout import KVLayout
 from kvstore.gpu.paged import PagedKVCache
-from kvstore.gpu.pipeline import LayerPipeline, PipelinePlan
+from kvstore.gpu.pipeline import BufferTurn, LayerPipeline, PipelinePlan
 from kvstore.gpu.staging import DeviceScratch, PinnedPool
 from kvstore.gpu.transfer import CopyStream, HostBatch
 from kvstore.lmcache_paths import INPROCESS
@@ -391,6 +391,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         self.load_kernels = CopyStream(self.device)
         self._store_pipe = (DeviceScratch(self.device), DeviceScratch(self.device))
         self._load_pipe = (DeviceScratch(self.device), DeviceScratch(self.device))
+        self._turns = {True: BufferTurn(), False: BufferTurn()}  # per direction (store: True)
         self._plans: dict[bool, PipelinePlan] = {}  # the last request's, per direction (store: True)
         self._checked = threading.local()  # .drivers: {torch's current device: DriverCalls}, per thread
 
@@ -552,6 +553,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             scratch=self._store_pipe if store else self._load_pipe,
             driver=self._driver() if self.store_copies.is_async else None,
             reuse=self._plans.get(store),
+            turn=self._turns[store],
         )
         self._plans[store] = pipe.plan
         return pipe

@@ -2,16 +2,16 @@
 (load) kernel on one stream, its chunk copies on the other, so a layer's kernel runs
 while its neighbour's copies are on the PCIe bus.
 
-Owns, for one request: the token-major row indices, two device scratch buffers (layer
-``i`` uses buffer ``i % 2``) with each chunk's address in them worked out once, and the
-per-layer events that order the two streams, the caller's stream and the host (the
-buffers, addresses and events are a :class:`PipelinePlan`, which the next request of
-the same geometry reuses); per layer, the handful of calls a store or load makes. A
+Owns, for one request: its token-major row indices, each chunk's address in the two
+device scratch buffers, and the per-layer calls a store or load makes. The buffers, the
+streams and the events that order them with the caller's stream and the host are a
+direction's, shared by every request of it (a :class:`PipelinePlan` holds what a
+request works out from them, and the next request of the same geometry reuses it). A
 layer's copies of LMCache-sized chunks take ~85 us on an H100 and each torch call costs
-the host 1-9 us (2-4x that inside a pass), so nothing here
-is computed per layer that can be computed per request, and the copies, records and
-waits go to the driver on raw handles (kvstore.gpu.driver, ~1 us each); only the gather
-or scatter kernel is a torch call (see ``benchmarks/bench_gpu_layerwise.py``).
+the host 1-9 us (2-4x that inside a pass), so nothing here is computed per layer that
+can be computed per request, and the copies, records and waits go to the driver on raw
+handles (kvstore.gpu.driver, ~1 us each); only the gather or scatter kernel is a torch
+call (see ``benchmarks/bench_gpu_layerwise.py`` and ``bench_gpu_setup.py``).
 
 Chunks are passed as addresses: ``store_layer`` / ``load_layer`` take, per chunk, the
 address of ``chunk_bytes[c]`` contiguous bytes in page-locked host memory (LMCache's
@@ -19,27 +19,29 @@ pool) or device memory; the caller has checked each object's size, shape and dty
 keeps it alive until the layer's event completes.
 
 Ordering (CUDA; on CPU every call runs inline, in order, copies are ``memmove`` and no
-events are made):
+events are made). Each queued layer takes the direction's next buffer ``b`` in turn
+(:class:`BufferTurn`: one request alone alternates, as ``i % 2``):
 
-* store, layer i: kernel stream waits for the caller's stream (the attention that wrote
-  the layer) and for ``free[i % 2]``, the last copies queued out of the same scratch
-  buffer (layer i - 2's, or another request's); gathers; the copy stream waits for the
-  gather and copies each chunk to its object; ``done[i]`` and ``free[i % 2]`` mark the
-  copies.
-* load, layer i: the copy stream waits for ``free[i % 2]``, the last scatter queued out
-  of the same buffer (layer i - 2's, or another request's), and copies each object into
-  scratch; the kernel stream waits for those copies (and, at the first scatter, for the
-  row indices, made on the caller's stream after the first copies were queued) and
-  scatters; ``done[i]`` and ``free[i % 2]`` mark the scatter. The caller's stream waits
-  for ``done[i]`` before it computes layer i.
+* store, layer i: the kernel stream waits for the caller's stream (the attention that
+  wrote the layer) and for ``free[b]``, the last copies queued out of buffer ``b`` (by
+  any request); gathers; the copy stream waits for the gather and copies each chunk to
+  its object; ``done[i]`` and ``free[b]`` mark the copies.
+* load, layer i: the copy stream waits for ``free[b]``, the last scatter queued out of
+  buffer ``b`` (by any request), and copies each object into it; the kernel stream waits
+  for those copies (and, at the first scatter, for the row indices, made on the
+  caller's stream after the first copies were queued) and scatters; ``done[i]`` and
+  ``free[b]`` mark the scatter. The caller's stream waits for ``done[i]`` before it
+  computes layer i.
 
-The ``free`` events belong to a direction, not a request: LMCache's vLLM adapter steps
-the generators of every request in a batch one layer at a time (A's layer 1, B's layer
-1, A's layer 2, ...), and all of them share that direction's two buffers and streams;
-waiting for the buffer's last user, whoever it was, keeps B's gather from overwriting
-rows A's copies have yet to read. The other events are a direction's too, each recorded
-and waited for in one call, except ``done[i]``: a wait on it waits for the last request
-that queued layer i, on the same stream after this one's, so never for less.
+Requests share all of this because LMCache's vLLM adapter steps the generators of every
+request in a batch one layer at a time (A's layer 1, B's layer 1, A's layer 2, ...):
+waiting for a buffer's last user, whoever it was, keeps B's gather from overwriting rows
+A's copies have yet to read, and taking buffers in turn across requests lets B's gather
+run beside A's copies. The other events are a direction's too, each recorded and waited
+for in one call, except ``done[i]``, recorded on one stream per direction: a wait on it
+waits for the last request that queued layer i, after this one's on that stream, so
+never for less. LMCache relies on that: only one request of a batch has ``sync=True``,
+and its waits must cover the others' layers.
 
 Must not touch: LMCache objects and formats (the connector passes plain tensors),
 pageable-memory staging (kvstore.gpu.transfer), index arithmetic (kvstore.gpu.layout).
@@ -58,7 +60,20 @@ from kvstore.gpu.paged import PagedKVCache
 from kvstore.gpu.staging import DeviceScratch
 from kvstore.gpu.transfer import CopyStream
 
-__all__ = ["LayerPipeline", "PipelinePlan"]
+__all__ = ["BufferTurn", "LayerPipeline", "PipelinePlan"]
+
+
+class BufferTurn:
+    """Which of a direction's two scratch buffers the next queued layer takes, whichever
+    request queues it (one thread queues a direction's layers: LMCache's forward thread)."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def take(self) -> int:
+        b = self._next
+        self._next = b ^ 1
+        return b
 
 
 @dataclass(eq=False)
@@ -156,7 +171,9 @@ class LayerPipeline:
     load's first copies then start before the host works them out); ``copies`` runs the
     chunk copies and ``kernels`` the gather/scatter kernels; ``scratch`` holds the two
     device buffers; ``driver``: the driver calls (required on CUDA, unused on CPU);
-    ``reuse``: the previous request's :attr:`plan`, taken when it fits this one.
+    ``reuse``: the previous request's :attr:`plan`, taken when it fits this one;
+    ``turn``: the direction's :class:`BufferTurn` (every request of a direction must share
+    one, with the scratch buffers and streams).
     """
 
     def __init__(
@@ -170,8 +187,10 @@ class LayerPipeline:
         scratch: Sequence[DeviceScratch],
         driver: DriverCalls | None = None,
         reuse: PipelinePlan | None = None,
+        turn: BufferTurn | None = None,
     ) -> None:
         self.paged = paged
+        self._turn = turn if turn is not None else BufferTurn()
         # A callable makes the rows on the caller's stream when the first scatter needs
         # them: a load queues its first layer's copies before (they need no rows), so the
         # copy engine starts while the host works out the request's row indices.
@@ -238,7 +257,7 @@ class LayerPipeline:
         """Queue layer ``layer``'s gather and its copies to ``dsts`` (one address per
         chunk, in ``spans`` order, ``chunk_bytes`` each); the returned event marks them
         complete."""
-        b = layer % 2
+        b = self._turn.take()
         drv = self._driver
         if drv is None:  # CPU: inline
             self.paged.gather_words(layer, self._rows(None), self._words[b])
@@ -272,7 +291,7 @@ class LayerPipeline:
         ``chunk_bytes`` each) and layer ``layer``'s scatter; the returned event marks the
         scatter complete. ``caller_waits``: first make the caller's stream wait for layer
         ``layer - 1`` (the engine computes that layer next)."""
-        b = layer % 2
+        b = self._turn.take()
         drv = self._driver
         if drv is None:  # CPU: inline
             self._copy_inline(self._addresses[b], srcs)

@@ -32,6 +32,7 @@ def _slots(tokens: int, seed: int, after: int = 0) -> torch.Tensor:
     the shuffle (requests with the same seed and disjoint ranges share no slot)."""
     order = torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed))
     blocks = order[after : after + -(-tokens // BLOCK)]
+    assert len(blocks) * BLOCK >= tokens, f"{tokens} tokens after block {after} need more than {BLOCKS} blocks"
     t = torch.arange(tokens)
     return (blocks[t // BLOCK] * BLOCK + t % BLOCK).cuda()
 
@@ -250,28 +251,34 @@ def test_load_keeps_a_scratch_buffer_until_its_scatter_has_read_it():
     assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
 
 
+def _two_requests(seed: int) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
+    """Two requests of two full chunks (1 MiB pieces) on disjoint shuffled blocks."""
+    lengths = [CHUNK] * 2
+    starts, ends = _spans(lengths)
+    a_slots = _slots(ends[-1], seed=seed)
+    b_slots = _slots(ends[-1], seed=seed, after=ends[-1] // BLOCK)
+    return starts, ends, a_slots, b_slots
+
+
 def test_stores_stepped_in_turn_keep_each_requests_rows():
     """LMCache's vLLM adapter steps every request's store one layer at a time (A's layer
-    i, B's layer i, A's layer i + 1, ...), and all of them share the direction's two
-    scratch buffers. With the copies held up, B's gather of layer i must wait for A's
-    copies of layer i out of the same buffer, or A's objects get B's rows. Same geometry
-    for both, so the second request also reuses the first one's plan."""
-    lengths = [CHUNK] * 4
-    starts, ends = _spans(lengths)
-    a_slots = _slots(ends[-1], seed=20)
-    b_slots = _slots(ends[-1], seed=20, after=ends[-1] // BLOCK)  # disjoint from a's
+    i, B's layer i, A's layer i + 1, ...; only the first with sync=True), and all of them
+    share the direction's two scratch buffers. With the copies held up, a gather of B's
+    must not overwrite rows A's copies have yet to read out of the same buffer. Same
+    geometry for both, so the second request also reuses the first one's plan."""
+    starts, ends, a_slots, b_slots = _two_requests(seed=20)
     caches = _caches("random", seed=21)
     conn = LayerwisePagedKVConnector(caches)
-    a_objs, b_objs = _objs(conn, lengths), _objs(conn, lengths)
+    a_objs, b_objs = _objs(conn, [CHUNK] * 2), _objs(conn, [CHUNK] * 2)
     gens = [
-        conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=False)
-        for objs, slots in ((a_objs, a_slots), (b_objs, b_slots))
+        conn.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=sync)
+        for objs, slots, sync in ((a_objs, a_slots, True), (b_objs, b_slots, False))
     ]
     for step in range(LAYERS + 1):
+        if step == 1:
+            _hold(conn.store_copies.stream)  # A's copies of layer 1 on, behind it
         for gen in gens:
             next(gen)
-        if step == 0:
-            _hold(conn.store_copies.stream)
     conn.store_copies.synchronize()
     for objs, slots in ((a_objs, a_slots), (b_objs, b_slots)):
         for layer in range(LAYERS):
@@ -280,33 +287,26 @@ def test_stores_stepped_in_turn_keep_each_requests_rows():
 
 
 def test_loads_stepped_in_turn_keep_each_requests_rows():
-    """The adapter's load order: each request's first two layers up front, then one layer
-    of each in turn (A0 A1 B0 B1 A2 B2 ...). With the scatters held up, B's copies into a
-    buffer must wait for A's scatter out of it, or A's cache gets B's bytes (held before
-    each round, B's copies would otherwise land while A's scatter still waits)."""
-    lengths = [CHUNK] * 4
-    starts, ends = _spans(lengths)
-    a_slots = _slots(ends[-1], seed=22)
-    b_slots = _slots(ends[-1], seed=22, after=ends[-1] // BLOCK)
+    """The adapter's load order: each request started, then one layer of each in turn (A0
+    B0, A1 B1, ...; only the last request with sync=True). With the scatters held up
+    before each round, B's copies into a buffer must wait for A's scatter out of it, or
+    A's cache gets B's bytes."""
+    starts, ends, a_slots, b_slots = _two_requests(seed=22)
     src = _caches("random", seed=23)
     store = LayerwisePagedKVConnector(src)
-    a_objs, b_objs = _objs(store, lengths), _objs(store, lengths)
+    a_objs, b_objs = _objs(store, [CHUNK] * 2), _objs(store, [CHUNK] * 2)
     for objs, slots in ((a_objs, a_slots), (b_objs, b_slots)):
         for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots, sync=True):
             pass
     fresh = _caches()
     load = LayerwisePagedKVConnector(fresh)
     gens = []
-    for objs, slots in ((a_objs, a_slots), (b_objs, b_slots)):
-        gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=False)
+    for objs, slots, sync in ((a_objs, a_slots, False), (b_objs, b_slots, True)):
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=sync)
         next(gen)
-        gen.send(objs[0])
-        if not gens:
-            _hold(load.load_kernels.stream)
-        gen.send(objs[1])
         gens.append((gen, objs))
-    for layer in range(2, LAYERS):
-        _hold(load.load_kernels.stream)  # A's scatter of this layer queued behind it
+    for layer in range(LAYERS):
+        _hold(load.load_kernels.stream)  # this round's scatters queued behind it
         for gen, objs in gens:
             gen.send(objs[layer])
     for gen, _ in gens:
