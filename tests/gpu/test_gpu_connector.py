@@ -482,3 +482,39 @@ def test_layer_rows_are_a_copy_of_the_slots(layout):
     assert torch.equal(rows, lay.rows(slots, token_major=True))
     slots.fill_(0)
     assert not torch.equal(rows, lay.rows(slots, token_major=True))
+
+
+def test_pipeline_requests_stepped_in_turn(layout):
+    """LMCache's vLLM adapter steps every request one layer at a time (A's layer i, B's
+    layer i, ...); the pipeline's buffers are taken in turn across them and each request
+    keeps its own geometry (here two of different chunk counts): every byte lands right
+    (on CPU the steps run inline: this checks the bookkeeping; the CUDA ordering has its
+    own tests in test_gpu_pipeline.py)."""
+    caches, slots, starts, ends = _sequence(layout, seed=14)
+    dtype = caches[0].dtype
+    conn = LayerwisePagedKVConnector(caches, pipeline=True)
+    requests = [(starts, ends), (starts[:1], ends[:1])]
+    objs = [_layer_objs(conn, s, e, dtype) for s, e in requests]
+    stores = [
+        conn.batched_from_gpu(o, s, e, slot_mapping=slots, sync=i == 0)
+        for i, (o, (s, e)) in enumerate(zip(objs, requests))
+    ]
+    for _ in range(conn.num_layers + 1):
+        for gen in stores:
+            next(gen)
+    for layer in range(conn.num_layers):  # the one-chunk request holds the same first chunk
+        assert torch.equal(objs[1][layer][0].tensor, objs[0][layer][0].tensor)
+    fresh = make_caches(layout, fill="zeros")
+    load = LayerwisePagedKVConnector(fresh, pipeline=True)
+    loads = []
+    for i, (o, (s, e)) in enumerate(zip(objs, requests)):
+        gen = load.batched_to_gpu(s, e, slot_mapping=slots, sync=i == 1)
+        next(gen)
+        loads.append((gen, o))
+    for layer in range(load.num_layers):
+        for gen, o in loads:
+            gen.send(o[layer])
+    for gen, _ in loads:
+        next(gen)
+    kept = slots[starts[0] : ends[-1]]
+    assert torch.equal(PagedKVCache(fresh).gather(kept), PagedKVCache(caches).gather(kept))
