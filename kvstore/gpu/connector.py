@@ -735,6 +735,13 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             obj.ref_count_down()
         yield
 
+    def _caller_waits_for_loads(self) -> None:
+        """The single-stream path's wait for everything loaded so far: its own copies and
+        scatters (copy stream) and, in a batch LMCache steps in turn, the pipelined
+        requests' scatters (kernel stream), which its one ``sync=True`` request covers."""
+        self.load_copies.current_waits()
+        self.load_kernels.current_waits()
+
     def batched_to_gpu(self, starts=None, ends=None, **kwargs: Any) -> Generator[None, Any, None]:
         paged = self._bind(kwargs)
         slot_mapping = self._slot_mapping(kwargs)
@@ -755,7 +762,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                 yield from self._pipelined_to_gpu(paged, objs, full, starts, ends, skips, slot_mapping, sync)
                 return
             if sync:
-                self.load_copies.current_waits()  # compute on layer-1 sees its KV
+                self._caller_waits_for_loads()  # compute on layer-1 sees its KV
             copier = self._copier_for(paged, full, layerwise=True)
             with self.load_copies.scope():
                 if copier is not None:
@@ -771,7 +778,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             self._hold_while_read(objs, held)
         yield
         if sync:
-            self.load_copies.current_waits()
+            self._caller_waits_for_loads()
         # The engine drops its references right after the last send(); copies that read
         # pinned memory objects must be finished before those objects can be reused.
         batch.complete()
