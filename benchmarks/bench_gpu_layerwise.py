@@ -18,6 +18,8 @@ times, interleaved in one process on the geometry of ``bench_gpu_connector.py``:
 ``connector, sync=False``  the same with no host waits between layers;
 ``connector, one stream``  the same with ``pipeline=False`` (gather/scatter and copies on
                 one stream, the path before the pipeline);
+``connector, 2 in turn``  two requests stepped one layer of each at a time, as LMCache's
+                vLLM adapter steps a batch (one with sync=True), against two ``copy_``;
 ``issue only``  the connector with sync=False, host time only (a load's includes its
                 final wait for the last layer).
 
@@ -277,6 +279,32 @@ def run(args: argparse.Namespace) -> dict:
             gen.send(objs[li])
         next(gen)
 
+    # Two requests stepped in turn, as LMCache's vLLM adapter steps a batch: one layer of
+    # each at a time, one request with sync=True (the store's first, the load's last);
+    # timed against two copy_ of one request's bytes each.
+    objs_b = [[_memobj(shape, dtype, MemoryFormat.KV_T2D, cuda) for _ in starts] for _ in range(args.layers)]
+
+    def conn_store_two():
+        gens = [
+            conn.batched_from_gpu(o, starts, ends, kvcaches=caches, slot_mapping=slots, sync=i == 0)
+            for i, o in enumerate((objs, objs_b))
+        ]
+        for _ in range(args.layers + 1):
+            for gen in gens:
+                next(gen)
+
+    def conn_load_two():
+        gens = []
+        for i, o in enumerate((objs, objs_b)):
+            gen = conn.batched_to_gpu(starts, ends, kvcaches=fresh, slot_mapping=slots, sync=i == 1)
+            next(gen)
+            gens.append((gen, o))
+        for li in range(args.layers):
+            for gen, o in gens:
+                gen.send(o[li])
+        for gen, _ in gens:
+            next(gen)
+
     modes = {
         "store": (
             copy_store,
@@ -287,6 +315,7 @@ def run(args: argparse.Namespace) -> dict:
                 "connector": conn_store,
                 "connector, sync=False": lambda: conn_store(False),
                 "connector, one stream": lambda: conn_store(True, single),
+                "connector, 2 in turn": conn_store_two,
             },
         ),
         "load": (
@@ -298,9 +327,11 @@ def run(args: argparse.Namespace) -> dict:
                 "connector": conn_load,
                 "connector, sync=False": lambda: conn_load(False),
                 "connector, one stream": lambda: conn_load(True, single),
+                "connector, 2 in turn": conn_load_two,
             },
         ),
     }
+    twice = {"connector, 2 in turn"}  # modes that move two requests' bytes
     results: dict[str, dict[str, dict[str, float]]] = {}
     for direction, (base, fns) in modes.items():
         for fn in (base, *fns.values()):
@@ -308,7 +339,8 @@ def run(args: argparse.Namespace) -> dict:
         pairs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
         for _ in range(args.repeats):
             for name, fn in fns.items():
-                pairs[name].append((_once(base, cuda), _once(fn, cuda)))
+                baseline = (lambda b=base: (b(), b())) if name in twice else base
+                pairs[name].append((_once(baseline, cuda), _once(fn, cuda)))
         results[direction] = {}
         for name, ps in pairs.items():
             ratios = [b / f for b, f in ps]
