@@ -381,7 +381,8 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
     def __init__(
         self, kv_caches: Sequence[torch.Tensor] | None = None, *, pipeline: bool | None = None, **kwargs: Any
     ) -> None:
-        super().__init__(kv_caches, **kwargs)
+        self._plans: dict[bool, PipelinePlan] = {}  # the last request's, per direction (store: True)
+        super().__init__(kv_caches, **kwargs)  # (binds the caches given: `_bind_caches` clears the plans)
         self.pipeline = pipeline
         self._warned_no_driver = False
         # Each direction's pipeline: its second stream and its two scratch buffers (its
@@ -392,13 +393,10 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         self._store_pipe = (DeviceScratch(self.device), DeviceScratch(self.device))
         self._load_pipe = (DeviceScratch(self.device), DeviceScratch(self.device))
         self._turns = {True: BufferTurn(), False: BufferTurn()}  # per direction (store: True)
-        self._plans: dict[bool, PipelinePlan] = {}  # the last request's, per direction (store: True)
         self._checked = threading.local()  # .drivers: {torch's current device: DriverCalls}, per thread
 
     def _bind_caches(self, kv_caches: Sequence[torch.Tensor]) -> PagedKVCache:
-        plans: dict[bool, PipelinePlan] | None = getattr(self, "_plans", None)  # (None in __init__)
-        if plans:
-            plans.clear()  # they hold the caches bound before
+        self._plans.clear()  # they hold the caches bound before
         return super()._bind_caches(kv_caches)
 
     @property

@@ -82,11 +82,10 @@ class CopyStream:
     def handles(self, n: int, tag: str) -> list[int]:
         """The raw ``cudaEvent_t`` handles of :meth:`events` ``(n, tag)``, read once (a
         handle is fixed for an event's life; reading it costs ~0.2 us a time)."""
-        events = self.events(n, tag)
         have = self._handles.get(tag)
         if have is None or len(have) < n:
-            have = self._handles[tag] = [e.cuda_event for e in self._events[tag]]
-        return have[: len(events)]
+            have = self._handles[tag] = [e.cuda_event for e in self.events(n, tag)]
+        return have[:n]
 
     def synchronize(self) -> None:
         """Block the host until the copy stream is drained."""

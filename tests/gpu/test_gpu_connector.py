@@ -471,6 +471,10 @@ def test_pipeline_reuses_a_requests_plan_only_while_it_fits(layout):
     load._load_pipe[1].get((4 * sum(LENGTHS), *caches[0].shape[-2:]), dtype)  # grows it
     round_trip(starts, ends, objs)
     assert load._plans[False] is not again
+    # Other caches bound: the plans (which hold the caches bound before) are dropped.
+    gen = load.batched_to_gpu(starts, ends, kvcaches=make_caches(layout, fill="zeros"), slot_mapping=slots)
+    next(gen)
+    assert not load._plans
 
 
 def test_layer_rows_are_a_copy_of_the_slots(layout):
