@@ -432,13 +432,13 @@ def run(args: argparse.Namespace) -> dict:
             next(gen)
 
         host["connector load: request set-up + layer 0 queued"] = _first_layer_us(load_started, load_finish)
-        n = len(starts)
+        chunks = len(starts)
         host["request rows: layer_rows(slot_mapping)"] = _host_us(lambda: paged.layer_rows(slots), cuda)
         host["pipeline set-up, store (rows made)"] = _host_us(
-            lambda: conn._pipeline(paged, slots, starts, ends, [0] * n, store=True), cuda
+            lambda: conn._pipeline(paged, slots, starts, ends, [0] * chunks, store=True), cuda
         )
         host["pipeline set-up, load (rows deferred)"] = _host_us(
-            lambda: conn._pipeline(paged, slots, starts, ends, [0] * n, store=False), cuda
+            lambda: conn._pipeline(paged, slots, starts, ends, [0] * chunks, store=False), cuda
         )
         host["obj.tensor (LMCache)"] = _host_us(lambda: objs[0][0].tensor, cuda)
         host["obj.metadata + obj.data_ptr (LMCache)"] = _host_us(
