@@ -179,6 +179,9 @@ class Backend(abc.ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     #: declared by the class; an instance may narrow it from its options (S3's ``stream=false``)
     capabilities: Capabilities = Capabilities()
+    #: names a lookup asks `contains_now` about per call (it stops at the first batch
+    #: holding one): a disk tier stats each name, a Redis tier asks all in one round trip
+    contains_now_batch: ClassVar[int] = 8
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -94,6 +94,7 @@ from kvstore.backends.base import (
     redact_url,
 )
 from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
+from kvstore.backends.inline_gate import InlineGate
 from kvstore.backends.stream import StreamSink, wait_out
 from kvstore.checksum import pwrite_crc32c
 from kvstore.frame import UnsealedFrame
@@ -109,8 +110,7 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ids = itertools.count()
 INLINE_STATS = 8  # contains_many of at most this many names stats them on the event loop
-SLOW_STAT_S = 0.001  # a stat slower than this sends stats back to worker threads...
-SLOW_STAT_BACKOFF_S = (1.0, 60.0)  # ...for 1 s (the second in a row), doubling while they stay slow, at most a minute
+SLOW_STAT_S = 0.001  # stats slower than this a name send stats back to worker threads for a while (`InlineGate`)
 # file systems whose stat is a local metadata lookup (not a network round trip)
 LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs"})
 # a warm read is a copy, bound by CPU: more reading jobs than cores only contend
@@ -366,9 +366,7 @@ class DiskBackend(Backend):
         self._objects = str(self.objects_dir)
         # stats on the loop or the caller's thread only where one is a local lookup, and
         # not for a while after one was slow (`_sizes_now`)
-        self._stat_inline_after = 0.0 if local_file_system(self.root) else float("inf")
-        self._slow_stats = 0  # slow stat batches in a row
-        self._stat_backoff = 0.0  # the last back-off after them
+        self._inline = InlineGate(closed=not local_file_system(self.root))
         self._clock = time.perf_counter  # monotonic, and fine enough to time a stat
         self._ready_now = False  # the index is open (`_opened` done), as a plain flag
         self.quarantine_dir = self.root / "quarantine"
@@ -941,34 +939,21 @@ class DiskBackend(Backend):
     def _sizes_now(self, names: list[str]) -> list[int | None] | None:
         """`_file_size` of each name on this thread, or None (ask a worker thread) for a
         batch over `INLINE_STATS`, a file system that is not local, or while backing off
-        from slow stats (over `SLOW_STAT_S` a name): a stat that waits on a server or a
-        cold disk must not hold the event loop or LMCache's thread.
-
-        A stat's time here includes waiting for the GIL and for a core, so one slow batch
-        is as likely a busy process as a slow disk: the second slow batch in a row backs
-        off for `SLOW_STAT_BACKOFF_S` [0] (a second), each further one (the first after
-        the last back-off) for twice the last, at most `SLOW_STAT_BACKOFF_S` [1]."""
+        from slow stats (over `SLOW_STAT_S` a name, twice in a row: `InlineGate`): a stat
+        that waits on a server or a cold disk must not hold the event loop or LMCache's
+        thread."""
         if not names:
             return []
         t0 = self._clock()
-        if len(names) > INLINE_STATS or t0 < self._stat_inline_after:
+        if len(names) > INLINE_STATS or not self._inline.open(t0):
             return None
         sizes = [self._file_size(n) for n in names]
         t1 = self._clock()
-        if t1 - t0 < SLOW_STAT_S * len(names):
-            self._slow_stats = 0
-            return sizes
-        self._slow_stats += 1
-        if self._slow_stats < 2:
-            return sizes
-        first, most = SLOW_STAT_BACKOFF_S
-        last = 0.0 if self._slow_stats == 2 else self._stat_backoff
-        self._stat_backoff = min(most, 2 * last) if last else first
-        self._stat_inline_after = t1 + self._stat_backoff
-        if not last or (self._stat_backoff >= most > last):  # the first back-off, and the longest
+        backoff = self._inline.answered(t0, t1, SLOW_STAT_S * len(names))
+        if backoff:
             log.info(
                 "kvstore disk: stats under %s are slow (%.1f ms for %d); lookups stat on worker threads for %.0f s",
-                self.root, (t1 - t0) * 1e3, len(names), self._stat_backoff,
+                self.root, (t1 - t0) * 1e3, len(names), backoff,
             )
         return sizes
 

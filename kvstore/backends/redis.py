@@ -19,7 +19,9 @@ single Redis value, default 512MiB, Redis's bulk limit), ``pipeline_max`` (value
 this size are pipelined, default 64KiB; bigger ones go as concurrent single commands,
 which measured faster here from 1 MiB up), ``inflight`` (big values in flight at once,
 default 4), ``timeout`` (seconds per batch, default 5, plus 1 s per 64 MiB moved),
-``connect_timeout`` (default 1), ``max_connections`` (default 32).  Credentials come
+``connect_timeout`` (default 1), ``max_connections`` (default 32), ``inline_timeout``
+(seconds a lookup waits for Redis on the caller's thread, default 0.005; 0 sends every
+lookup through the event loop; see `contains_now`).  Credentials come
 from the URL or from ``KVSTORE_REDIS_USERNAME`` / ``KVSTORE_REDIS_PASSWORD``; they are
 never logged (`stats().url` is redacted).
 
@@ -41,6 +43,7 @@ import builtins
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -70,7 +73,9 @@ from kvstore.backends.base import (
     parts_len,
     redact_url,
 )
-from kvstore.backends.redis_stream import Address, Manifest, PatchRefused, RespStreams
+from kvstore.backends.inline_gate import InlineGate
+from kvstore.backends.redis_probe import RespProbe
+from kvstore.backends.redis_stream import Address, Login, Manifest, PatchRefused, RespError, RespStreams
 from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.backends.stream import StreamSink, stream_from_buffer
 from kvstore.deadlines import within
@@ -92,6 +97,7 @@ _OPTIONS = {
     "timeout",
     "connect_timeout",
     "max_connections",
+    "inline_timeout",
     MAX_OBJECT_OPTION,
 }
 _REDIS_PY_OPTIONS = {
@@ -103,6 +109,7 @@ _REDIS_PY_OPTIONS = {
     "ssl_check_hostname",
 }
 MIB = 1 << 20
+SLOW_PROBE_S = 0.001  # a lookup's round trip on the caller's thread slower than this, twice in a row, backs off
 TEMP_TTL_MIN = 60.0  # seconds a temporary key outlives a writer that died before publishing it
 
 
@@ -120,6 +127,7 @@ class RedisOptions:
     seconds_per_64mib: float = 1.0
     connect_timeout: float = 1.0
     max_connections: int = 32
+    inline_timeout: float = 0.005
     max_object: int = DEFAULT_MAX_OBJECT
 
     def deadline(self, nbytes: int) -> float:
@@ -189,6 +197,8 @@ def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
             ours[k] = option_float(k, v, allow_zero=True) or None  # 0 = never expire
         elif k in ("timeout", "connect_timeout"):
             ours[k] = option_float(k, v)
+        elif k == "inline_timeout":
+            ours[k] = option_float(k, v, allow_zero=True)
         elif k in ("part_size", "pipeline_max"):
             ours[k] = option_size(k, v)
         elif k in ("inflight", "max_connections"):
@@ -217,14 +227,25 @@ class RedisBackend(Backend):
     #: cancelling it stops those writes at once (the disk backend's worker threads do not)
     capabilities = Capabilities(streamed_reads=True, streams_on_loop=True, server_ttl=True)
 
+    contains_now_batch = 64  # one round trip for a long prompt's miss (`Lookup.known` asks at most 64)
+
     def __init__(
-        self, url: str, client: Any, options: RedisOptions | None = None, streams: RespStreams | None = None
+        self,
+        url: str,
+        client: Any,
+        options: RedisOptions | None = None,
+        streams: RespStreams | None = None,
+        probe: RespProbe | None = None,
     ) -> None:
         """Use `from_url`; `client` is a redis.asyncio ``Redis`` or ``RedisCluster``;
-        `streams` (plain TCP or unix socket servers) reads big values in one copy."""
+        `streams` (plain TCP or unix socket servers) reads big values in one copy;
+        `probe` (the same servers) answers lookups on the caller's thread."""
         super().__init__(url)
         self.client = client
         self.streams = streams
+        self.probe = probe
+        self._inline = InlineGate(closed=probe is None)
+        self._clock = time.perf_counter
         if streams is not None:  # big values go out hashed as they are sent (off if refused)
             self.capabilities = dataclasses.replace(type(self).capabilities, seals_frames=True)
         self.patch_refusal: str | None = None  # why big values go out checksummed first
@@ -290,7 +311,7 @@ class RedisBackend(Backend):
             pool = aioredis.ConnectionPool.from_url(plain, **common)
             pool.connection_class = gathering(cast(type, pool.connection_class))  # framed values unjoined
             client = aioredis.Redis(connection_pool=pool)
-        streams = None
+        streams = probe = None
         if scheme in ("redis", "unix"):  # TLS and Cluster stay on redis-py
             kw = pool.connection_kwargs
             address = (
@@ -298,15 +319,10 @@ class RedisBackend(Backend):
                 if "path" in kw
                 else Address(kw.get("host", "localhost"), kw.get("port", 6379))
             )
-            streams = RespStreams(
-                address,
-                username=username or None,
-                password=password or None,
-                db=int(kw.get("db", 0) or 0),
-                size=options.inflight,
-                connect_timeout=options.connect_timeout,
-            )
-        return cls(url, client, options, streams)
+            login = Login(username or None, password or None, int(kw.get("db", 0) or 0))
+            streams = RespStreams(address, login, size=options.inflight, connect_timeout=options.connect_timeout)
+            probe = RespProbe(address, login, timeout=options.inline_timeout) if options.inline_timeout else None
+        return cls(url, client, options, streams, probe)
 
     # -- fault plumbing ----------------------------------------------------------
     def _fault(self, op: str, exc: BaseException) -> None:
@@ -778,6 +794,40 @@ class RedisBackend(Backend):
         await self._run("contains", [job()] if names else [], 0)
         return out
 
+    def contains_now(self, names: Sequence[str]) -> list[bool] | None:
+        """`contains_many` in one round trip on the caller's thread (`RespProbe`), or None
+        (the event loop asks): TLS, Cluster, ``inline_timeout=0``, the probe busy on
+        another thread, the tier failing, or backing off: after a round trip that failed
+        or took more than `RedisOptions.inline_timeout`, or two in a row slower than
+        `SLOW_PROBE_S`, for a second, doubling while it goes on, at most a minute
+        (`InlineGate`).  Counts nothing: the loop counts the faults it meets."""
+        probe = self.probe
+        t0 = self._clock()
+        if probe is None or self._failing or not self._inline.open(t0):
+            return None
+        pfx = self.options.prefix
+        keys = [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
+        try:
+            types = probe.types(keys)
+        except (OSError, RespError) as exc:
+            backoff = self._inline.failed(self._clock())
+            if backoff:
+                log.info(
+                    "redis lookup on the caller's thread failed on %s (%s: %s); lookups go through the event loop for %.0f s",
+                    redact_url(self.url), type(exc).__name__, exc, backoff,
+                )
+            return None
+        if types is None:
+            return None
+        t1 = self._clock()
+        backoff = self._inline.answered(t0, t1, SLOW_PROBE_S)
+        if backoff:
+            log.info(
+                "redis lookups on %s are slow (%.1f ms for %d); they go through the event loop for %.0f s",
+                redact_url(self.url), (t1 - t0) * 1e3, len(names), backoff,
+            )
+        return [t == b"string" for t in types]
+
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
         out = [False] * len(names)
 
@@ -982,6 +1032,8 @@ class RedisBackend(Backend):
     async def close(self) -> None:
         if self.streams is not None:
             self.streams.close()
+        if self.probe is not None:
+            self.probe.close()
         try:
             if self.cluster:
                 await self.client.aclose()

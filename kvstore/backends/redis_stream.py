@@ -70,6 +70,28 @@ def pack(*args: bytes) -> bytes:
     return b"".join(out)
 
 
+@dataclass(frozen=True)
+class Login:
+    """Who a new connection logs in as, and the database it selects."""
+
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+
+    def hello(self) -> list[bytes]:
+        """The commands that set a new connection up (``AUTH``, ``SELECT``), each answered ``+OK``."""
+        out = []
+        if self.password:
+            creds = [self.username.encode(), self.password.encode()] if self.username else [self.password.encode()]
+            out.append(pack(b"AUTH", *creds))
+        if self.db:
+            out.append(pack(b"SELECT", str(self.db).encode()))
+        return out
+
+
+NO_LOGIN = Login()  # no AUTH, database 0
+
+
 #: Errors that refuse one write, not the way it is written (memory, a busy or loading
 #: server, a replica, a failing snapshot): that put fails, the next one tries again.  Also
 #: found after " -": older servers wrap an error raised inside a script in their own text.
@@ -109,17 +131,13 @@ class RespStreams:
     def __init__(
         self,
         address: Address,
+        login: Login = NO_LOGIN,
         *,
-        username: str | None = None,
-        password: str | None = None,
-        db: int = 0,
         size: int = 4,
         connect_timeout: float = 1.0,
     ) -> None:
         self.address = address
-        self.username = username
-        self.password = password
-        self.db = db
+        self.login = login
         self.size = size
         self.connect_timeout = connect_timeout
         self._idle: list[socket.socket] = []
@@ -135,15 +153,10 @@ class RespStreams:
             await asyncio.wait_for(loop.sock_connect(sock, target), self.connect_timeout)
             if not a.path:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = b""
-            if self.password:
-                creds = [self.username.encode(), self.password.encode()] if self.username else [self.password.encode()]
-                hello += pack(b"AUTH", *creds)
-            if self.db:
-                hello += pack(b"SELECT", str(self.db).encode())
-            if hello:
-                await loop.sock_sendall(sock, hello)
-                for _ in range(hello.count(b"*")):
+            setup = self.login.hello()
+            if setup:
+                await loop.sock_sendall(sock, b"".join(setup))
+                for _ in range(len(setup)):
                     line = await _read_line(loop, sock)
                     if not line.startswith(b"+"):
                         raise RespError(f"Redis refused the connection setup: {line[:80]!r}")
@@ -371,4 +384,4 @@ async def _drain(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -
         n -= await _recv(loop, sock, scratch[: min(n, len(scratch))])
 
 
-__all__ = ["Address", "Manifest", "PatchRefused", "RespError", "RespStreams"]
+__all__ = ["NO_LOGIN", "Address", "Login", "Manifest", "PatchRefused", "RespError", "RespStreams"]

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 
 from kvstore.tiered.parts import Parts
 
-# `known` asks a tier's `contains_now` about at most KNOWN_BATCH names a call (the disk
-# tier stats no more than 8 on the caller's thread at once, and backs off after slow
-# batches) and answers None past KNOWN_MAX_ASKED names the books do not hold: a long
-# prompt's miss is then asked on the loop, whose stats leave the caller's thread free.
-KNOWN_BATCH = 8
+# `known` asks a tier's `contains_now` about at most `Backend.contains_now_batch` names a
+# call (a disk tier stats no more than 8 on the caller's thread at once, and backs off
+# after slow batches; a Redis tier asks up to 64 in one round trip) and answers None past
+# KNOWN_MAX_ASKED names the books do not hold: a long prompt's miss is then asked on the
+# loop, whose stats leave the caller's thread free.
 KNOWN_MAX_ASKED = 64
 
 
@@ -110,14 +110,15 @@ class Lookup:
 
     def _absent_now(self, names: Sequence[str]) -> bool:
         """Every tier that answers says at once, on this thread, that it holds none of
-        `names` (`Backend.contains_now`, asked `KNOWN_BATCH` names at a time; a tier
-        failing fast holds nothing usable now)."""
+        `names` (`Backend.contains_now`, asked `contains_now_batch` names at a time; a
+        tier failing fast holds nothing usable now)."""
         p = self.p
         for j, tier in enumerate(p.tiers):
             if p.guard.refusing(j):
                 continue
-            for k in range(0, len(names), KNOWN_BATCH):
-                held = tier.backend.contains_now(names[k : k + KNOWN_BATCH])
+            batch = tier.backend.contains_now_batch
+            for k in range(0, len(names), batch):
+                held = tier.backend.contains_now(names[k : k + batch])
                 if held is None or any(held):
                     return False
         return True

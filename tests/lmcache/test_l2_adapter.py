@@ -285,6 +285,34 @@ def test_big_chunks_over_redis_are_hashed_as_sent_and_load_bytes_equal(make_adap
 
 
 @needs_redis
+def test_redis_misses_are_answered_at_submit_and_chunks_stored_elsewhere_are_found(make_adapter, tmp_path):
+    """A lookup on a Redis tier that finds none of a prompt's chunks is done when
+    `submit_lookup_and_lock_task` returns (one round trip on LMCache's thread, no hop to
+    the store's loop); one that finds a chunk the books do not know (another server
+    stored it) still asks on the loop, which takes it into the books, and it loads."""
+    with RedisServer(workdir=tmp_path / "redis") as server:
+        ad = make_adapter([server.url])
+        other = make_adapter([server.url])  # a second server process on the same Redis
+        keys = [okey(i) for i in range(4)]
+        with mock.patch.object(ad.runtime, "submit", side_effect=AssertionError("the lookup went to the loop")):
+            tid = ad.submit_lookup_and_lock_task(keys, {})
+        bitmap = ad.query_lookup_and_lock_result(tid)
+        assert bitmap is not None and bitmap.popcount() == 0
+        assert ad.counters.lookup_tasks_at_submit == 1
+        assert store(other, keys[:2], [kv(0), kv(1)])
+        assert lookup(ad, keys) == [True, True, False, False]
+        assert ad.counters.lookup_tasks_at_submit == 1, "found past the books: asked on the loop"
+        got = load(ad, keys[:2])
+        assert all(g is not None and torch.equal(g, kv(i)) for i, g in enumerate(got))
+        with mock.patch.object(ad.runtime, "submit", side_effect=AssertionError("the lookup went to the loop")):
+            tid = ad.submit_lookup_and_lock_task(keys, {})  # the books hold 0 and 1 now
+        bitmap = ad.query_lookup_and_lock_result(tid)
+        assert bitmap is not None and [bitmap.test(i) for i in range(4)] == [True, True, False, False]
+        ad.submit_unlock(keys[:2])
+        ad.submit_unlock(keys[:2])
+
+
+@needs_redis
 def test_hung_redis_is_a_miss_within_the_deadline_then_fails_fast(make_adapter, tmp_path):
     with RedisServer(workdir=tmp_path / "redis") as server:
         ad = make_adapter([server.url], timeout_s=1.0)

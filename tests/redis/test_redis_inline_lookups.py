@@ -1,0 +1,144 @@
+"""Redis lookups answered on the caller's thread (`RedisBackend.contains_now`), against a
+real redis-server: the same answers as the event loop gives, from a thread that is not
+the loop's, logged in and on the right database; a killed, restarted or hung server
+costs the caller one bounded wait at most, then lookups go through the loop for a while
+and come back on their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvstore.backends import open_backend
+from kvstore.backends.redis import RedisBackend
+from kvstore.testing.redis_server import RedisServer
+from tests.redis.conftest import FAST
+
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+A, B, C = "ns/m/vllm-1-0/a", "ns/m/vllm-1-0/b", "ns/m/vllm-1-0/c"
+
+
+def redis_backend(url: str) -> RedisBackend:
+    b = open_backend(url)
+    assert isinstance(b, RedisBackend)
+    return b
+
+
+def on_a_thread(fn):
+    """`fn()` run on a plain thread while the event loop is blocked waiting for it."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(10)
+    assert out, "the call did not return"
+    return out[0]
+
+
+async def test_answers_match_the_loops_from_another_thread(redis_server) -> None:
+    b = redis_backend(f"{redis_server.url}?{FAST}")
+    assert await b.put_many([(A, b"x" * 100), (B, b"y" * 200_000)]) == [True, True]
+    redis_server.command("HSET", "kv:{ns/m/vllm-1-0/c}", "f", "v")  # C's key holds no object of ours
+    names = [A, C, B, "ns/m/vllm-1-0/never"]
+    assert on_a_thread(lambda: b.contains_now(names)) == [True, False, True, False]
+    assert await b.contains_many(names) == [True, False, True, False]
+    assert on_a_thread(lambda: b.contains_now([])) == []
+    await b.close()
+    assert b.contains_now([A]) is None, "a closed backend asks nothing"
+
+
+@pytest.mark.parametrize("password", ["pw-1", "p*w*2"])  # a '*' once miscounted the set-up replies
+async def test_the_probe_logs_in_and_selects_the_database(password) -> None:
+    with RedisServer(unix_socket=True, password=password) as srv:
+        b = redis_backend(f"{srv.url}?db=3&{FAST}")
+        assert await b.put_many([(A, b"x")]) == [True]
+        assert b.contains_now([A, B]) == [True, False]
+        other = redis_backend(srv.url + f"?db=0&{FAST}")  # the same server, database 0
+        assert other.contains_now([A]) == [False]
+        assert await b.get_many([A]) == [b"x"]  # the streamed path logs in the same way
+        await b.close()
+        await other.close()
+
+
+async def test_inline_lookups_can_be_turned_off_and_are_not_made_over_tls_or_cluster(redis_server) -> None:
+    off = redis_backend(f"{redis_server.url}?inline_timeout=0&{FAST}")
+    assert await off.put_many([(A, b"x")]) == [True]
+    assert off.contains_now([A]) is None
+    assert await off.contains_many([A]) == [True]
+    await off.close()
+    for url in ("rediss://127.0.0.1:1/0", "redis+cluster://127.0.0.1:1,127.0.0.1:2"):
+        b = redis_backend(url)
+        assert b.contains_now([A]) is None, url
+        await b.close()
+
+
+async def test_a_restart_replaces_the_idle_socket_at_once(redis_server) -> None:
+    b = redis_backend(f"{redis_server.url}?{FAST}")
+    assert await b.put_many([(A, b"x")]) == [True]
+    assert b.contains_now([A]) == [True]
+    redis_server.restart()  # comes back empty: the probe's socket is closed under it
+    assert b.contains_now([A]) == [False], "a socket the server closed is replaced, not failed on"
+    await b.close()
+
+
+async def test_a_dead_server_costs_one_failed_ask_then_the_loop_asks_until_it_answers(redis_server) -> None:
+    b = redis_backend(f"{redis_server.url}?{FAST}")
+    now = [1000.0]
+    b._clock = lambda: now[0]
+    assert await b.put_many([(A, b"x")]) == [True]
+    assert b.contains_now([A]) == [True]
+    redis_server.kill()
+    assert b.contains_now([A]) is None  # refused: the loop asks (and counts the fault)
+    assert await b.contains_many([A]) == [False]
+    redis_server.start()
+    assert b.contains_now([A]) is None, "backing off for a second: nothing asked"
+    now[0] += 1.1
+    assert b.contains_now([A]) is None, "the tier's last call on the loop failed: the loop asks"
+    assert await b.contains_many([A]) == [False]  # answers again (the restarted server is empty)
+    assert b.contains_now([A]) == [False]
+    await b.close()
+
+
+async def test_a_hung_server_holds_the_caller_for_the_inline_timeout_only(redis_server) -> None:
+    b = redis_backend(f"{redis_server.url}?inline_timeout=0.05&{FAST}")
+    now = [1000.0]
+    b._clock = lambda: now[0]
+    assert await b.put_many([(A, b"x")]) == [True]
+    assert b.contains_now([A]) == [True]
+    redis_server.pause()  # SIGSTOP: the socket stays open, nothing answers
+    try:
+        t = time.monotonic()
+        assert b.contains_now([A]) is None
+        waited = time.monotonic() - t
+        assert waited < 0.5, f"held the caller {waited:.2f}s; inline_timeout is 0.05s"
+        t = time.monotonic()
+        assert b.contains_now([A]) is None
+        assert time.monotonic() - t < 0.01, "backing off: the second ask must not wait"
+    finally:
+        redis_server.resume()
+    now[0] += 1.1  # the back-off over
+    assert b.contains_now([A]) == [True], "the timed-out socket was dropped, a fresh one answers"
+    await b.close()
+
+
+async def test_slow_round_trips_back_off_and_a_busy_probe_says_so(redis_server, monkeypatch) -> None:
+    from kvstore.backends import redis as redis_mod
+
+    b = redis_backend(f"{redis_server.url}?{FAST}")
+    now = [1000.0]
+    b._clock = lambda: now[0]
+    assert await b.put_many([(A, b"x")]) == [True]
+    monkeypatch.setattr(redis_mod, "SLOW_PROBE_S", 0.0)  # every round trip is "slow" now
+    assert b.contains_now([A]) == [True]  # slow once: answered (a busy process?)
+    assert b.contains_now([A]) == [True]  # twice in a row: answered, then backing off
+    assert b.contains_now([A]) is None
+    monkeypatch.setattr(redis_mod, "SLOW_PROBE_S", 10.0)
+    now[0] += 1.1
+    assert b.probe is not None
+    with b.probe._lock:  # another thread is asking: this one goes to the loop, no wait
+        assert b.contains_now([A]) is None
+    assert b.contains_now([A]) == [True]
+    await b.close()
