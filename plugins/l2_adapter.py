@@ -347,8 +347,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _lookup_now(self, names: list[str | None]) -> list[bool] | None:
         """The lookup answered and its hits pinned on the caller's thread from the
-        store's books (`TieredStore.lookup_now`: for a disk tier, a `stat` per name the
-        books do not hold); None when the loop must answer (`_lookup`)."""
+        store's books (`TieredStore.lookup_now`: of the names the books do not hold, a
+        `stat` each on a disk tier, one round trip of `TYPE`s on a Redis tier); None when
+        the loop must answer (`_lookup`)."""
         asked = [n for n in names if n is not None]
         try:
             found = self.runtime.store.lookup_now(asked, ttl=self.config.lock_ttl_s)

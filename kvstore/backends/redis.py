@@ -20,8 +20,8 @@ this size are pipelined, default 64KiB; bigger ones go as concurrent single comm
 which measured faster here from 1 MiB up), ``inflight`` (big values in flight at once,
 default 4), ``timeout`` (seconds per batch, default 5, plus 1 s per 64 MiB moved),
 ``connect_timeout`` (default 1), ``max_connections`` (default 32), ``inline_timeout``
-(seconds a lookup waits for Redis on the caller's thread, default 0.005; 0 sends every
-lookup through the event loop; see `contains_now`).  Credentials come
+(seconds a lookup may take on the caller's thread, connecting included, default 0.005;
+0 sends every lookup through the event loop; see `contains_now`).  Credentials come
 from the URL or from ``KVSTORE_REDIS_USERNAME`` / ``KVSTORE_REDIS_PASSWORD``; they are
 never logged (`stats().url` is redacted).
 
@@ -75,7 +75,7 @@ from kvstore.backends.base import (
 )
 from kvstore.backends.inline_gate import InlineGate
 from kvstore.backends.redis_probe import RespProbe
-from kvstore.backends.redis_stream import Address, Login, Manifest, PatchRefused, RespError, RespStreams
+from kvstore.backends.redis_stream import Address, Login, Manifest, PatchRefused, RespStreams
 from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.backends.stream import StreamSink, stream_from_buffer
 from kvstore.deadlines import within
@@ -109,7 +109,7 @@ _REDIS_PY_OPTIONS = {
     "ssl_check_hostname",
 }
 MIB = 1 << 20
-SLOW_PROBE_S = 0.001  # a lookup's round trip on the caller's thread slower than this, twice in a row, backs off
+SLOW_PROBE_SHARE = 0.2  # a lookup's round trip on the caller's thread over this share of inline_timeout is slow
 TEMP_TTL_MIN = 60.0  # seconds a temporary key outlives a writer that died before publishing it
 
 
@@ -245,6 +245,7 @@ class RedisBackend(Backend):
         self.streams = streams
         self.probe = probe
         self._inline = InlineGate(closed=probe is None)
+        self._resolving: asyncio.Future[None] | None = None
         self._clock = time.perf_counter
         if streams is not None:  # big values go out hashed as they are sent (off if refused)
             self.capabilities = dataclasses.replace(type(self).capabilities, seals_frames=True)
@@ -774,6 +775,7 @@ class RedisBackend(Backend):
     # -- contains / delete ---------------------------------------------------------
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         out = [False] * len(names)
+        self._resolve_probe()
 
         async def job() -> None:
             pfx = self.options.prefix
@@ -796,20 +798,28 @@ class RedisBackend(Backend):
 
     def contains_now(self, names: Sequence[str]) -> list[bool] | None:
         """`contains_many` in one round trip on the caller's thread (`RespProbe`), or None
-        (the event loop asks): TLS, Cluster, ``inline_timeout=0``, the probe busy on
-        another thread, the tier failing, or backing off: after a round trip that failed
-        or took more than `RedisOptions.inline_timeout`, or two in a row slower than
-        `SLOW_PROBE_S`, for a second, doubling while it goes on, at most a minute
-        (`InlineGate`).  Counts nothing: the loop counts the faults it meets."""
+        (the event loop asks): TLS, Cluster, ``inline_timeout=0``, a host name the loop has
+        not resolved yet, the probe busy on another thread, the tier failing on the loop,
+        or backing off (`InlineGate`): after a call that failed or ran out of
+        `RedisOptions.inline_timeout` (connecting and logging in count), or after two in
+        a row slower than `SLOW_PROBE_SHARE` of it, for a second, doubling while it goes
+        on, at most a minute.  Counts nothing: the loop counts the faults it meets.
+
+        The gate and `_failing` are read and written from the loop and callers' threads
+        without a lock: a race can only lose a step of a slow streak or time a back-off
+        from a slightly different moment, never change an answer."""
         probe = self.probe
         t0 = self._clock()
-        if probe is None or self._failing or not self._inline.open(t0):
+        if probe is None or self._failing or not probe.resolved or not self._inline.open(t0):
             return None
         pfx = self.options.prefix
-        keys = [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
+        try:
+            keys = [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
+        except UnicodeError:  # not a name we could have stored: let the loop say so
+            return None
         try:
             types = probe.types(keys)
-        except (OSError, RespError) as exc:
+        except OSError as exc:  # RespError and TimeoutError included
             backoff = self._inline.failed(self._clock())
             if backoff:
                 log.info(
@@ -820,13 +830,28 @@ class RedisBackend(Backend):
         if types is None:
             return None
         t1 = self._clock()
-        backoff = self._inline.answered(t0, t1, SLOW_PROBE_S)
+        backoff = self._inline.answered(t0, t1, SLOW_PROBE_SHARE * self.options.inline_timeout)
         if backoff:
             log.info(
                 "redis lookups on %s are slow (%.1f ms for %d); they go through the event loop for %.0f s",
                 redact_url(self.url), (t1 - t0) * 1e3, len(names), backoff,
             )
         return [t == b"string" for t in types]
+
+    def _resolve_probe(self) -> None:
+        """Have the loop resolve the probe's host, in the background (a lookup on the loop
+        must not wait for DNS); a failure leaves lookups on the loop and is retried later."""
+        probe = self.probe
+        if probe is None or probe.resolved or (self._resolving is not None and not self._resolving.done()):
+            return
+
+        async def resolve() -> None:
+            try:
+                await probe.resolve()
+            except OSError as exc:
+                log.debug("redis %s: resolving for lookups on the caller's thread failed: %s", redact_url(self.url), exc)
+
+        self._resolving = asyncio.ensure_future(resolve())
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
         out = [False] * len(names)
@@ -1034,6 +1059,8 @@ class RedisBackend(Backend):
             self.streams.close()
         if self.probe is not None:
             self.probe.close()
+        if self._resolving is not None:
+            self._resolving.cancel()
         try:
             if self.cluster:
                 await self.client.aclose()

@@ -39,21 +39,29 @@ def on_a_thread(fn):
 
 
 async def test_answers_match_the_loops_from_another_thread(redis_server) -> None:
-    b = redis_backend(f"{redis_server.url}?{FAST}")
-    assert await b.put_many([(A, b"x" * 100), (B, b"y" * 200_000)]) == [True, True]
-    redis_server.command("HSET", "kv:{ns/m/vllm-1-0/c}", "f", "v")  # C's key holds no object of ours
-    names = [A, C, B, "ns/m/vllm-1-0/never"]
-    assert on_a_thread(lambda: b.contains_now(names)) == [True, False, True, False]
-    assert await b.contains_many(names) == [True, False, True, False]
+    b = redis_backend(f"{redis_server.url}?prefix=t1:&part_size=64KiB&{FAST}")
+    odd = "ns/m/vllm-1-0/ü {x}%2F"
+    assert await b.put_many([(A, b"x" * 100), (B, b"y" * 200_000), (odd, b"z")]) == [True] * 3  # B: 4 parts
+    redis_server.command("HSET", "t1:{ns/m/vllm-1-0/c}", "f", "v")  # C's key holds no object of ours
+    names = [A, C, B, odd, "ns/m/vllm-1-0/never"]
+    assert on_a_thread(lambda: b.contains_now(names)) == [True, False, True, True, False]
+    assert await b.contains_many(names) == [True, False, True, True, False]
+    other = redis_backend(f"{redis_server.url}?{FAST}")  # the default prefix: none of them
+    assert other.contains_now(names) == [False] * 5
+    await other.close()
     assert on_a_thread(lambda: b.contains_now([])) == []
     await b.close()
     assert b.contains_now([A]) is None, "a closed backend asks nothing"
 
 
-@pytest.mark.parametrize("password", ["pw-1", "p*w*2"])  # a '*' once miscounted the set-up replies
+@pytest.mark.parametrize("password", ["pw-1", "p*w*2", "user"])  # a '*' once miscounted the set-up replies
 async def test_the_probe_logs_in_and_selects_the_database(password) -> None:
-    with RedisServer(unix_socket=True, password=password) as srv:
-        b = redis_backend(f"{srv.url}?db=3&{FAST}")
+    with RedisServer(unix_socket=True, password="p*w*2" if password == "user" else password) as srv:
+        url = srv.url
+        if password == "user":  # an ACL user of its own
+            assert b"OK" in srv.command("ACL", "SETUSER", "alice", "on", ">pw-a", "~*", "+@all")
+            url = url.replace(":p*w*2@", "alice:pw-a@")
+        b = redis_backend(f"{url}?db=3&{FAST}")
         assert await b.put_many([(A, b"x")]) == [True]
         assert b.contains_now([A, B]) == [True, False]
         other = redis_backend(srv.url + f"?db=0&{FAST}")  # the same server, database 0
@@ -131,14 +139,45 @@ async def test_slow_round_trips_back_off_and_a_busy_probe_says_so(redis_server, 
     now = [1000.0]
     b._clock = lambda: now[0]
     assert await b.put_many([(A, b"x")]) == [True]
-    monkeypatch.setattr(redis_mod, "SLOW_PROBE_S", 0.0)  # every round trip is "slow" now
+    monkeypatch.setattr(redis_mod, "SLOW_PROBE_SHARE", 0.0)  # every round trip is "slow" now
     assert b.contains_now([A]) == [True]  # slow once: answered (a busy process?)
     assert b.contains_now([A]) == [True]  # twice in a row: answered, then backing off
     assert b.contains_now([A]) is None
-    monkeypatch.setattr(redis_mod, "SLOW_PROBE_S", 10.0)
+    monkeypatch.setattr(redis_mod, "SLOW_PROBE_SHARE", 10.0)
     now[0] += 1.1
     assert b.probe is not None
     with b.probe._lock:  # another thread is asking: this one goes to the loop, no wait
         assert b.contains_now([A]) is None
     assert b.contains_now([A]) == [True]
     await b.close()
+
+
+async def test_a_host_name_is_resolved_on_the_loop_not_the_callers_thread(redis_server) -> None:
+    b = redis_backend(f"redis://localhost:{redis_server.port}/0?{FAST}")
+    assert await b.put_many([(A, b"x")]) == [True]
+    assert b.contains_now([A]) is None, "no DNS lookup on the caller's thread"
+    assert await b.contains_many([A]) == [True]  # the loop starts resolving in the background
+    assert b._resolving is not None
+    await b._resolving
+    assert b.contains_now([A, B]) == [True, False]
+    await b.close()
+
+
+async def test_a_fresh_connection_that_hangs_at_login_is_bounded_too() -> None:
+    with RedisServer(password="pw-1") as srv:
+        b = redis_backend(f"{srv.url}?inline_timeout=0.05&{FAST}")
+        assert await b.put_many([(A, b"x")]) == [True]
+        assert b.contains_now([A]) == [True]
+        assert b.probe is not None and b.probe._sock is not None
+        b.probe._sock.close()
+        b.probe._sock = None  # the next call connects and logs in again
+        srv.pause()  # the kernel still accepts the connection; AUTH is never answered
+        try:
+            t = time.monotonic()
+            assert b.contains_now([A]) is None
+            waited = time.monotonic() - t
+        finally:
+            srv.resume()
+        assert waited < 0.3, f"connect + login held the caller {waited:.2f}s; inline_timeout is 0.05s for the whole call"
+        assert b.probe._sock is None, "the half-open connection was dropped"
+        await b.close()
