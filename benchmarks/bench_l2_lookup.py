@@ -14,8 +14,10 @@ alternates every round, ``--lookups`` lookups of each kind:
 * ``half``: the first half of a stored prompt, then chunks never stored.
 
 kvstore answers a lookup its books can answer on the caller's thread, asking a disk tier
-(a ``stat``) about at most 64 chunks it does not hold (`kvstore.tiered.lookup`); a longer
-miss goes to its loop: ``--chunks`` above 64 times that path.
+about the chunks it does not hold (`kvstore.tiered.lookup`): from the kernel's file events
+where the tier watches its folders (`kvstore.backends.disk_watch`, the default on a local
+file system), else a ``stat`` each for at most 64 chunks (``--watch false``; a longer
+miss goes to its loop then: ``--chunks`` above 64 times that path).
 
 Figures: microseconds per lookup (the median of the round's calls, then the median of the
 rounds), and per round LMCache's time ÷ kvstore's (above 1.0: kvstore answers faster),
@@ -59,7 +61,7 @@ def us(xs: list[float]) -> str:
 MISS_BASE = 1 << 40  # keys of chunks never stored
 
 
-def adapters(root: str, kind: str, stack: contextlib.ExitStack) -> dict[str, SyncL2]:
+def adapters(root: str, kind: str, stack: contextlib.ExitStack, watch: str = "true") -> dict[str, SyncL2]:
     """kvstore's adapter first, then LMCache's of the same kind."""
     if kind == "redis":
         from kvstore.testing.redis_server import RedisServer
@@ -72,7 +74,7 @@ def adapters(root: str, kind: str, stack: contextlib.ExitStack) -> dict[str, Syn
         }
     else:
         specs = {
-            "kvstore-file": kvstore_spec([f"file://{root}/kvstore"]),
+            "kvstore-file": kvstore_spec([f"file://{root}/kvstore?watch={watch}"]),
             "lmcache-fs-native": {"type": "fs_native", "base_path": f"{root}/lmcache-fs-native"},
             "lmcache-fs": {"type": "fs", "base_path": f"{root}/lmcache-fs"},
         }
@@ -102,13 +104,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--lookups", type=int, default=200, help="lookups per kind, adapter and round")
     ap.add_argument("--kind", choices=("disk", "redis"), default="disk", help="disk: vs fs_native and fs; redis: vs resp")
+    ap.add_argument("--watch", choices=("true", "false"), default="true", help="the disk tier's watch option")
     args = ap.parse_args()
     torch.set_num_threads(1)
     shape = SHAPES["smollm2"]
     data = [torch.randn(shape).to(torch.bfloat16) for _ in range(args.chunks)]
     times: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR", "/tmp")) as root, contextlib.ExitStack() as stack:
-        ads = adapters(root, args.kind, stack)
+        ads = adapters(root, args.kind, stack, args.watch)
         ours = next(iter(ads))
         try:
             for l2 in ads.values():

@@ -146,6 +146,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._done_loads: dict[L2TaskId, Bitmap] = {}
         self._locks: Counter[str] = Counter()
         self._sizes: dict[str, int] = {}  # names this adapter knows are stored -> bytes
+        self._storing: Counter[str] = Counter()  # names being stored now (the start's listing leaves them)
         self._keys: dict[str, ObjectKey] = {}
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -275,8 +276,28 @@ class KVStoreL2Adapter(L2AdapterInterface):
             )
 
         groups = [(r, True) for r in runs] + [(g, False) for g in loose.values()]
-        results = await asyncio.gather(*(put(g, c) for g, c in groups))
-        all_ok = len(idx) == len(names)
+        storing = list(names.values())
+        with self._lock:
+            self._storing.update(storing)
+        try:
+            results = await asyncio.gather(*(put(g, c) for g, c in groups))
+            return self._stored(keys, objects, names, groups, results)
+        finally:
+            with self._lock:
+                self._storing.subtract(storing)
+                self._storing += Counter()  # drop the names at zero
+
+    def _stored(
+        self,
+        keys: list[ObjectKey],
+        objects: list[MemoryObj],
+        names: dict[int, str],
+        groups: list[tuple[list[int], bool]],
+        results: list[list[bool]],
+    ) -> tuple[bool, int]:
+        """Count what a store task wrote (LMCache's usage counts each chunk once); a key
+        that could not be named is a failed store."""
+        all_ok = len(names) == len(keys)
         new_keys: list[ObjectKey] = []
         new_sizes: list[int] = []
         nbytes = 0
@@ -502,7 +523,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     if key is None:
                         continue
                     with self._lock:
-                        if info.name in self._sizes:
+                        if info.name in self._sizes or info.name in self._storing:  # ours, counted by its store
                             continue
                         self._sizes[info.name] = info.size
                         self._keys[info.name] = key

@@ -170,6 +170,8 @@ class Capabilities:
 
 
 DEFAULT_MAX_OBJECT = 1 << 30
+#: the most names one lookup asks at once of a tier that answers from memory (no I/O)
+MEMORY_LOOKUP_MOST = 1 << 12
 MAX_OBJECT_OPTION = "max_object_size"
 
 
@@ -179,9 +181,6 @@ class Backend(abc.ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     #: declared by the class; an instance may narrow it from its options (S3's ``stream=false``)
     capabilities: Capabilities = Capabilities()
-    #: names a lookup asks `contains_now` about per call (it stops at the first batch
-    #: holding one): a disk tier stats each name, a Redis tier asks all in one round trip
-    contains_now_batch: ClassVar[int] = 8
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -239,6 +238,17 @@ class Backend(abc.ABC):
         nothing, or None where the answer needs the network or the event loop (the
         default).  A lookup that misses asks this before it hops to the store's loop."""
         return None
+
+    def contains_now_batch(self) -> int:
+        """How many names a lookup asks `contains_now` about per call (it stops at the
+        first batch holding one): a disk tier that stats each name takes a few at a
+        time, a Redis tier asks all in one round trip."""
+        return 8
+
+    def contains_now_most(self) -> int:
+        """The most names one lookup asks `contains_now` about, in all: past it the
+        lookup goes to the store's loop (a long prompt's stats leave the caller's thread)."""
+        return 64
 
     @abc.abstractmethod
     async def delete_many(self, names: Sequence[str]) -> list[bool]: ...

@@ -8,7 +8,7 @@ touch: frame parsing (the tier above validates objects and calls `quarantine`), 
 Layout::
 
     ROOT/index.sqlite3                    the shared index (SQLite, WAL); a cache of objects/
-    ROOT/objects/<2 hex>/<escaped name>   one file per object, shard = digest of name
+    ROOT/objects/<2 hex>/<escaped name>   one file per object, shard = digest of name (all 256 made at open)
     ROOT/objects/<2 hex>/.<pid>-<n>.tmp   a write in progress; removed at open if its writer is gone
     ROOT/quarantine/                      objects the tier found corrupt, with .reason
 
@@ -32,10 +32,13 @@ Layout::
   walk in the index thread; temp files of dead writers are swept in a thread of its own.
 * Blocking calls run in aiofiles' executor or the index thread: one hop per write plus
   one index transaction; one hop per read when this process knows the object's size
-  (allocate, then open + ``preadv`` + close), else two.  The exception is a `stat` of a
-  few names for a lookup (`contains_now` on the caller's thread, `contains_many` on
-  the loop): only on a local file system, and not for a while after stats keep taking
-  over a millisecond (`_sizes_now`); elsewhere they take a worker thread too.
+  (allocate, then open + ``preadv`` + close), else two.  The exception is a lookup
+  (`contains_now` on the caller's thread, `contains_many` on the loop): on a local file
+  system the tier watches its shard folders (`kvstore.backends.disk_watch`: the kernel's
+  file events keep the set of file names, so `contains_now` stats nothing, however many
+  names it is asked; ``watch=false`` to stat instead), else it stats a few names on the
+  calling thread, and not for a while after stats keep taking over a millisecond
+  (`_sizes_now`); on other file systems stats take a worker thread too.
 * ``read_streamed`` (see `kvstore.backends.stream`) reads an object's head, lets the
   reader pick where the rest lands, and copies the payload there through a read-only
   mapping of the file, checksummed in the same pass (`kvstore.checksum.mapped_crc32c`;
@@ -67,6 +70,7 @@ import itertools
 import logging
 import os
 import re
+import select
 import sqlite3
 import stat
 import threading
@@ -81,6 +85,7 @@ import aiofiles.os
 
 from kvstore.backends.base import (
     MAX_OBJECT_OPTION,
+    MEMORY_LOOKUP_MOST,
     Alloc,
     Backend,
     BackendStats,
@@ -94,6 +99,7 @@ from kvstore.backends.base import (
     redact_url,
 )
 from kvstore.backends.disk_index import FULL, INDEX_FILE, LEASE_S, OK, DiskIndex
+from kvstore.backends.disk_watch import ObjectWatch
 from kvstore.backends.inline_gate import InlineGate
 from kvstore.backends.stream import StreamSink, wait_out
 from kvstore.checksum import pwrite_crc32c
@@ -111,6 +117,8 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _ids = itertools.count()
 INLINE_STATS = 8  # contains_many of at most this many names stats them on the event loop
 SLOW_STAT_S = 0.001  # stats slower than this a name send stats back to worker threads for a while (`InlineGate`)
+SHARDS = tuple(f"{i:02x}" for i in range(256))  # every `shard_of`, made at open so the watch sees them all
+WATCH_POLL_MS = 250  # the watch thread looks for its end this often
 # file systems whose stat is a local metadata lookup (not a network round trip)
 LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs"})
 # a warm read is a copy, bound by CPU: more reading jobs than cores only contend
@@ -355,6 +363,7 @@ class DiskBackend(Backend):
         url: str | None = None,
         max_object: int | str | None = None,
         mmap: bool = True,
+        watch: bool = True,
     ) -> None:
         super().__init__(url or Path(root).absolute().as_uri())
         self.set_max_object(max_object)
@@ -367,6 +376,7 @@ class DiskBackend(Backend):
         # stats on the loop or the caller's thread only where one is a local lookup, and
         # not for a while after one was slow (`_sizes_now`)
         self._inline = InlineGate(closed=not local_file_system(self.root))
+        self._watch: ObjectWatch | None = None  # the files under objects/, kept by the kernel's events
         self._clock = time.perf_counter  # monotonic, and fine enough to time a stat
         self._ready_now = False  # the index is open (`_opened` done), as a plain flag
         self.quarantine_dir = self.root / "quarantine"
@@ -392,12 +402,19 @@ class DiskBackend(Backend):
         self._opened = self.index.submit(self.index.open, capacity)  # a walk only if never indexed
         self._swept = concurrent.futures.Future[None]()
         threading.Thread(target=self._sweep, name="kvstore-disk-sweep", daemon=True).start()
+        self._watched = concurrent.futures.Future[None]()  # the watch answers, or will not
+        if local_file_system(self.root) and watch:
+            threading.Thread(target=self._keep_watch, name="kvstore-disk-watch", daemon=True).start()
+        else:
+            self._watched.set_result(None)
 
     async def ready(self) -> None:
-        """Wait until the index is built (a walk, for a store never indexed) and leftover
-        temp files of dead writers are removed; every operation waits for the first part."""
+        """Wait until the index is built (a walk, for a store never indexed), leftover
+        temp files of dead writers are removed and the files are watched (or will not
+        be); every operation waits for the first part only."""
         await asyncio.wrap_future(self._opened)
         await asyncio.wrap_future(self._swept)
+        await asyncio.wrap_future(self._watched)
 
     async def _open(self) -> None:
         if not self._opened.done():
@@ -422,7 +439,7 @@ class DiskBackend(Backend):
             )
         if not parts.path:
             raise ValueError(f"{redact_url(url)!r} has no path; write file:///var/cache/kvstore")
-        opts = url_options(url, {"capacity", "fsync", "concurrency", "mmap", MAX_OBJECT_OPTION})
+        opts = url_options(url, {"capacity", "fsync", "concurrency", "mmap", "watch", MAX_OBJECT_OPTION})
         return cls(
             unquote(parts.path),
             capacity=option_size("capacity", opts.get("capacity")),
@@ -431,6 +448,7 @@ class DiskBackend(Backend):
             url=url,
             max_object=opts.get(MAX_OBJECT_OPTION),
             mmap=option_bool("mmap", opts.get("mmap"), True),
+            watch=option_bool("watch", opts.get("watch"), True),
         )
 
     # ---- the files ------------------------------------------------------------
@@ -511,6 +529,38 @@ class DiskBackend(Backend):
             pass
         finally:
             self._swept.set_result(None)
+
+    def _keep_watch(self) -> None:
+        """In a thread of its own at open: make every shard folder, watch them
+        (`ObjectWatch`), list them, then read the kernel's events as they come until the
+        store is closed or the watch fails (lookups stat files again then)."""
+        try:
+            folders = [self.objects_dir / s for s in SHARDS]
+            for f in folders:
+                f.mkdir(parents=True, exist_ok=True)
+            watch = ObjectWatch.open(str(f) for f in folders)
+        except OSError as exc:
+            log.info("kvstore disk: cannot watch %s for new files (%s); lookups stat each file", self.root, exc)
+            watch = None
+        if watch is None or self._closed:
+            if watch is not None:
+                watch.close()
+            self._watched.set_result(None)
+            return
+        self._watch = watch
+        if self._closed:  # closed meanwhile, before it could see the watch
+            watch.close()
+        watch.scan()
+        self._watched.set_result(None)
+        poller = select.poll()
+        fd = watch.fileno()
+        if fd >= 0:  # -1: closed already (the store was closed while it listed)
+            poller.register(fd, select.POLLIN)
+        while watch.failed is None:  # `close` ends it within WATCH_POLL_MS
+            if poller.poll(WATCH_POLL_MS):
+                watch.drain()
+        if watch.failed != "closed":
+            log.info("kvstore disk: stopped watching %s: %s; lookups stat each file", self.root, watch.failed)
 
     def _unlink_object(self, name: str) -> bool:
         """For the index (eviction): True if `name`'s file is gone now, False if it cannot be removed."""
@@ -622,6 +672,8 @@ class DiskBackend(Backend):
             return
         await self.flush()
         self._closed = True
+        if self._watch is not None:
+            self._watch.close()
         await asyncio.to_thread(self.index.close)
 
     # ---- put ----------------------------------------------------------------
@@ -921,12 +973,20 @@ class DiskBackend(Backend):
         return out
 
     def contains_now(self, names: Sequence[str]) -> list[bool] | None:
-        """A `stat` per name on the caller's thread, no bookkeeping (`contains_many` adopts
-        what it finds); None before the store is open and where `_sizes_now` says no."""
+        """Asked of the watch (`ObjectWatch`: the kernel's file events, no `stat`) once it
+        answers, else a `stat` per name on the caller's thread; no bookkeeping
+        (`contains_many` adopts what it finds); None before the store is open and where
+        `_sizes_now` says no.  Any string is a plain file name once escaped, so a name
+        that is not an object's is simply not there."""
         if not self._ready_now:
             if not self._opened.done():  # a concurrent future: its lock is not free
                 return None
             self._ready_now = True
+        watch = self._watch
+        if watch is not None:
+            held = watch.held([encode_filename(n) for n in names])
+            if held is not None:
+                return held
         valid = [n for n in names if is_object_name(n)]
         sizes = self._sizes_now(valid)
         if sizes is None:
@@ -935,6 +995,16 @@ class DiskBackend(Backend):
             return [size is not None for size in sizes]
         found = {n for n, size in zip(valid, sizes) if size is not None}
         return [n in found for n in names]
+
+    def contains_now_batch(self) -> int:
+        return MEMORY_LOOKUP_MOST if self._watching() else INLINE_STATS
+
+    def contains_now_most(self) -> int:
+        return MEMORY_LOOKUP_MOST if self._watching() else super().contains_now_most()
+
+    def _watching(self) -> bool:
+        watch = self._watch
+        return watch is not None and watch.ready
 
     def _sizes_now(self, names: list[str]) -> list[int | None] | None:
         """`_file_size` of each name on this thread, or None (ask a worker thread) for a

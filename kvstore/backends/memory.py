@@ -32,6 +32,7 @@ import numpy as np
 
 from kvstore.backends.base import (
     MAX_OBJECT_OPTION,
+    MEMORY_LOOKUP_MOST,
     Alloc,
     Backend,
     BackendStats,
@@ -282,6 +283,12 @@ class MemoryBackend(Backend):
 
     def contains_now(self, names: Sequence[str]) -> list[bool]:
         return [n in self._space.objects for n in names]
+
+    def contains_now_batch(self) -> int:
+        return MEMORY_LOOKUP_MOST  # a dict lookup a name: no reason to stop early
+
+    def contains_now_most(self) -> int:
+        return MEMORY_LOOKUP_MOST
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
         with self._space.lock:

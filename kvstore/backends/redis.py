@@ -227,8 +227,6 @@ class RedisBackend(Backend):
     #: cancelling it stops those writes at once (the disk backend's worker threads do not)
     capabilities = Capabilities(streamed_reads=True, streams_on_loop=True, server_ttl=True)
 
-    contains_now_batch = 64  # one round trip for a long prompt's miss (`Lookup.known` asks at most 64)
-
     def __init__(
         self,
         url: str,
@@ -837,6 +835,9 @@ class RedisBackend(Backend):
                 redact_url(self.url), (t1 - t0) * 1e3, len(names), backoff,
             )
         return [t == b"string" for t in types]
+
+    def contains_now_batch(self) -> int:
+        return 64  # one round trip for a long prompt's miss
 
     def _resolve_probe(self) -> None:
         """Have the loop resolve the probe's host, in the background (a lookup on the loop

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 
 from kvstore.tiered.parts import Parts
 
-# `known` asks a tier's `contains_now` about at most `Backend.contains_now_batch` names a
-# call (a disk tier stats no more than 8 on the caller's thread at once, and backs off
-# after slow batches; a Redis tier asks up to 64 in one round trip) and answers None past
-# KNOWN_MAX_ASKED names the books do not hold: a long prompt's miss is then asked on the
-# loop, whose stats leave the caller's thread free.
-KNOWN_MAX_ASKED = 64
+# `known` asks a tier's `contains_now` about `Backend.contains_now_batch` names a call
+# (a disk tier stats no more than 8 on the caller's thread at once, and backs off after
+# slow batches; a Redis tier asks up to 64 in one round trip; a disk tier that watches
+# its files, thousands) and answers None past `Backend.contains_now_most` names the books
+# do not hold: a long prompt's miss is then asked on the loop, whose stats leave the
+# caller's thread free.
 
 
 class Lookup:
@@ -104,19 +104,21 @@ class Lookup:
         found = self._servable_each(names, now)
         if p.discover and not all(found):
             ask = [n for n, f in zip(names, found) if not f and self.discoverable(n)]
-            if len(ask) > KNOWN_MAX_ASKED or not self._absent_now(ask):
+            if not self._absent_now(ask):
                 return None
         return found if p.unchanged_since(stamp) else None
 
     def _absent_now(self, names: Sequence[str]) -> bool:
         """Every tier that answers says at once, on this thread, that it holds none of
-        `names` (`Backend.contains_now`, asked `contains_now_batch` names at a time; a
-        tier failing fast holds nothing usable now)."""
+        `names` (`Backend.contains_now`, asked `contains_now_batch` names at a time, and
+        False past `contains_now_most` names; a tier failing fast holds nothing usable now)."""
         p = self.p
         for j, tier in enumerate(p.tiers):
             if p.guard.refusing(j):
                 continue
-            batch = tier.backend.contains_now_batch
+            if len(names) > tier.backend.contains_now_most():
+                return False
+            batch = tier.backend.contains_now_batch()
             for k in range(0, len(names), batch):
                 held = tier.backend.contains_now(names[k : k + batch])
                 if held is None or any(held):

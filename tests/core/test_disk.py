@@ -377,7 +377,7 @@ async def test_stats_leave_the_calling_thread_on_a_remote_file_system_or_after_a
     too long (a second, doubling while they stay slow, at most a minute)."""
     from kvstore.backends import disk
 
-    be = DiskBackend(tmp_path / "d", fsync=False)
+    be = DiskBackend(tmp_path / "d", fsync=False, watch=False)  # stats, not the kernel's file events
     await be.ready()
     assert await be.put("ns/m/f-1-0/1", b"x")
     assert disk.local_file_system(tmp_path) is True or be.contains_now(["ns/m/f-1-0/1"]) is None
@@ -413,8 +413,9 @@ async def test_stats_leave_the_calling_thread_on_a_remote_file_system_or_after_a
     assert be.contains_now(name) is None
 
     monkeypatch.setattr(disk, "local_file_system", lambda path: False)  # say, NFS
-    remote = DiskBackend(tmp_path / "d", fsync=False)
+    remote = DiskBackend(tmp_path / "d", fsync=False)  # not watched either: another host's files raise no events here
     await remote.ready()
+    assert remote._watch is None
     assert remote.contains_now(["ns/m/f-1-0/1"]) is None
     assert await remote.contains_many(["ns/m/f-1-0/1"]) == [True]
     await be.close()
