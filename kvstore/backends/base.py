@@ -171,7 +171,7 @@ class Capabilities:
 
 DEFAULT_MAX_OBJECT = 1 << 30
 #: the most names one lookup asks at once of a tier that answers from memory (no I/O)
-MEMORY_LOOKUP_MOST = 1 << 12
+MEMORY_LOOKUP_MOST = 1 << 10
 MAX_OBJECT_OPTION = "max_object_size"
 
 

@@ -35,8 +35,8 @@ Layout::
   (allocate, then open + ``preadv`` + close), else two.  The exception is a lookup
   (`contains_now` on the caller's thread, `contains_many` on the loop): on a local file
   system the tier watches its shard folders (`kvstore.backends.disk_watch`: the kernel's
-  file events keep the set of file names, so `contains_now` stats nothing, however many
-  names it is asked; ``watch=false`` to stat instead), else it stats a few names on the
+  file events keep the set of file names, so `contains_now` stats nothing, for up to
+  1,024 names at once; ``watch=false`` to stat instead), else it stats a few names on the
   calling thread, and not for a while after stats keep taking over a millisecond
   (`_sizes_now`); on other file systems stats take a worker thread too.
 * ``read_streamed`` (see `kvstore.backends.stream`) reads an object's head, lets the
@@ -70,11 +70,11 @@ import itertools
 import logging
 import os
 import re
-import select
 import sqlite3
 import stat
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -118,7 +118,6 @@ _ids = itertools.count()
 INLINE_STATS = 8  # contains_many of at most this many names stats them on the event loop
 SLOW_STAT_S = 0.001  # stats slower than this a name send stats back to worker threads for a while (`InlineGate`)
 SHARDS = tuple(f"{i:02x}" for i in range(256))  # every `shard_of`, made at open so the watch sees them all
-WATCH_POLL_MS = 250  # the watch thread looks for its end this often
 # file systems whose stat is a local metadata lookup (not a network round trip)
 LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "tmpfs", "overlay", "bcachefs"})
 # a warm read is a copy, bound by CPU: more reading jobs than cores only contend
@@ -402,19 +401,51 @@ class DiskBackend(Backend):
         self._opened = self.index.submit(self.index.open, capacity)  # a walk only if never indexed
         self._swept = concurrent.futures.Future[None]()
         threading.Thread(target=self._sweep, name="kvstore-disk-sweep", daemon=True).start()
-        self._watched = concurrent.futures.Future[None]()  # the watch answers, or will not
+        self._watched = concurrent.futures.Future[None]()  # the watch's first listing is done (or none comes)
         if local_file_system(self.root) and watch:
-            threading.Thread(target=self._keep_watch, name="kvstore-disk-watch", daemon=True).start()
-        else:
+            self._start_watch()
+        if self._watch is None:  # no watch, so no thread to say it listed
             self._watched.set_result(None)
 
     async def ready(self) -> None:
-        """Wait until the index is built (a walk, for a store never indexed), leftover
-        temp files of dead writers are removed and the files are watched (or will not
-        be); every operation waits for the first part only."""
+        """Wait until the index is built (a walk, for a store never indexed) and leftover
+        temp files of dead writers are removed; every operation waits for the first part."""
         await asyncio.wrap_future(self._opened)
         await asyncio.wrap_future(self._swept)
+
+    async def watching(self) -> bool:
+        """Wait for the watch's first listing; whether lookups are answered from it."""
         await asyncio.wrap_future(self._watched)
+        return self._watching()
+
+    def _start_watch(self) -> None:
+        """Make every shard folder and watch them (`ObjectWatch`); a thread of the watch's
+        own lists them and reads events (it holds the watch, not this backend, so a
+        backend dropped unclosed is collected and its watch closed)."""
+        try:
+            folders = [self.objects_dir / s for s in SHARDS]
+            for f in folders:
+                f.mkdir(parents=True, exist_ok=True)
+            watch = ObjectWatch.open((str(f) for f in folders), guards=(str(self.root), self._objects))
+        except OSError as exc:
+            log.info("kvstore disk: cannot watch %s for new files (%s); lookups stat each file", self.root, exc)
+            return
+        if watch is None:
+            return
+        self._watch = watch
+        weakref.finalize(self, watch.close)
+        done, root, objects = self._watched, self.root, self._objects  # not `self`: see above
+
+        def listed() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def keep() -> None:
+            watch.keep(objects, listed)
+            if watch.failed not in ("closed", None):
+                log.info("kvstore disk: stopped watching %s: %s; lookups stat each file", root, watch.failed)
+
+        threading.Thread(target=keep, name="kvstore-disk-watch", daemon=True).start()
 
     async def _open(self) -> None:
         if not self._opened.done():
@@ -529,38 +560,6 @@ class DiskBackend(Backend):
             pass
         finally:
             self._swept.set_result(None)
-
-    def _keep_watch(self) -> None:
-        """In a thread of its own at open: make every shard folder, watch them
-        (`ObjectWatch`), list them, then read the kernel's events as they come until the
-        store is closed or the watch fails (lookups stat files again then)."""
-        try:
-            folders = [self.objects_dir / s for s in SHARDS]
-            for f in folders:
-                f.mkdir(parents=True, exist_ok=True)
-            watch = ObjectWatch.open(str(f) for f in folders)
-        except OSError as exc:
-            log.info("kvstore disk: cannot watch %s for new files (%s); lookups stat each file", self.root, exc)
-            watch = None
-        if watch is None or self._closed:
-            if watch is not None:
-                watch.close()
-            self._watched.set_result(None)
-            return
-        self._watch = watch
-        if self._closed:  # closed meanwhile, before it could see the watch
-            watch.close()
-        watch.scan()
-        self._watched.set_result(None)
-        poller = select.poll()
-        fd = watch.fileno()
-        if fd >= 0:  # -1: closed already (the store was closed while it listed)
-            poller.register(fd, select.POLLIN)
-        while watch.failed is None:  # `close` ends it within WATCH_POLL_MS
-            if poller.poll(WATCH_POLL_MS):
-                watch.drain()
-        if watch.failed != "closed":
-            log.info("kvstore disk: stopped watching %s: %s; lookups stat each file", self.root, watch.failed)
 
     def _unlink_object(self, name: str) -> bool:
         """For the index (eviction): True if `name`'s file is gone now, False if it cannot be removed."""
@@ -976,16 +975,15 @@ class DiskBackend(Backend):
         """Asked of the watch (`ObjectWatch`: the kernel's file events, no `stat`) once it
         answers, else a `stat` per name on the caller's thread; no bookkeeping
         (`contains_many` adopts what it finds); None before the store is open and where
-        `_sizes_now` says no.  Any string is a plain file name once escaped, so a name
-        that is not an object's is simply not there."""
+        `_sizes_now` says no.  A name that is not an object's is never held."""
         if not self._ready_now:
             if not self._opened.done():  # a concurrent future: its lock is not free
                 return None
             self._ready_now = True
         watch = self._watch
         if watch is not None:
-            held = watch.held([encode_filename(n) for n in names])
-            if held is not None:
+            held = watch.held([encode_filename(n) if is_object_name(n) else "." for n in names])
+            if held is not None:  # "." is never kept: not an object's file name
                 return held
         valid = [n for n in names if is_object_name(n)]
         sizes = self._sizes_now(valid)

@@ -9,11 +9,13 @@ the kernel when the rename happens, in order, so a name published by any process
 `held` reads the queue is seen by it.  Must not touch: the files themselves (it only
 lists and watches), the index, names (callers pass file names: `encode_filename`).
 
-It answers nothing (None: stat instead) until its first listing is done (a worker
-thread, `scan`), and never again after the kernel dropped events (its queue overflowed)
-or a watched folder went away (the store was deleted under it): a lost event would be
-a wrong answer, so it gives up and says why (`failed`); so it does past `MAX_NAMES`
-names.  Names with a ``.`` are not objects (temp files ``.<pid>-<n>.tmp``, side files
+It answers nothing (None: stat instead) until its first listing is done (`keep`, on
+a thread of its own, which then reads events as they come), nor while it lists again
+after the kernel dropped events (its queue overflowed: a lost event would be a wrong
+answer; at most `MAX_LISTINGS` times), and never again once the store's folders went
+away or moved (a shard folder, ``objects/`` or the root deleted or renamed, or the
+``objects/`` path naming another folder now), past `MAX_NAMES` names, or in a child
+process after a fork: it closes its inotify instance and says why (`failed`).  Names with a ``.`` are not objects (temp files ``.<pid>-<n>.tmp``, side files
 ``~<digest>.name``: object file names escape ``.``) and are not kept.  Linux only
 (`open` gives None elsewhere); where inotify cannot be had (``fs.inotify.max_user_instances``
 or ``max_user_watches`` reached) `open` raises `OSError`.  One watch is 256 watches and
@@ -24,10 +26,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import struct
 import sys
 import threading
-from collections.abc import Iterable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 
 IN_MOVED_FROM = 0x40
 IN_MOVED_TO = 0x80
@@ -47,26 +51,35 @@ ADDED = IN_MOVED_TO | IN_CREATE
 REMOVED = IN_MOVED_FROM | IN_DELETE
 GONE = IN_DELETE_SELF | IN_MOVE_SELF | IN_UNMOUNT | IN_IGNORED  # a watched folder is no more
 WATCHED = ADDED | REMOVED | IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR
+GUARDED = IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR  # the folders above the shards: only their own fate
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of NUL-padded name
 READ_SIZE = 1 << 16
 MAX_NAMES = 1 << 22  # ~0.5 GiB of names: a store of more objects is not watched (lookups stat)
+MAX_LISTINGS = 8  # the first listing and relistings after overflows; then it gives up
+POLL_MS = 250  # `keep` checks the objects folder's identity, and for its end, this often
+_LIVE: weakref.WeakSet[ObjectWatch] = weakref.WeakSet()
 
 
 class ObjectWatch:
     """The object file names in a set of shard folders; see the module docstring."""
 
-    def __init__(self, fd: int, folders: dict[int, str]) -> None:
+    def __init__(self, fd: int, folders: dict[int, str], guards: dict[int, str]) -> None:
         self._fd = fd
-        self._folders = folders  # watch descriptor -> folder
+        self._folders = folders  # watch descriptor -> shard folder
+        self._guards = guards  # watch descriptor -> a folder above them
         self._lock = threading.Lock()
         self._names: set[str] = set()
         self._ready = False
-        self._pending: list[tuple[int, str]] | None = []  # events read while the first listing runs
-        self.failed: str | None = None  # why it stopped answering, once it has
+        self._pending: list[tuple[int, str]] | None = []  # events read while a listing runs
+        self._listings = 0
+        self._overflows = 0  # a listing that began before the last overflow is void
+        self.failed: str | None = None  # why it stopped answering for good, once it has
+        _LIVE.add(self)
 
     @classmethod
-    def open(cls, folders: Iterable[str]) -> ObjectWatch | None:
-        """Watch `folders` (they must exist); None off Linux; `OSError` where inotify
+    def open(cls, folders: Iterable[str], guards: Iterable[str] = ()) -> ObjectWatch | None:
+        """Watch the shard `folders` and the folders above them (`guards`: only for being
+        deleted or moved); they must exist.  None off Linux; `OSError` where inotify
         cannot be had (its limits reached, a folder gone)."""
         if not sys.platform.startswith("linux"):
             return None
@@ -80,61 +93,91 @@ class ObjectWatch:
         if fd < 0:  # EMFILE: fs.inotify.max_user_instances reached
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-        watched: dict[int, str] = {}
-        for folder in folders:
-            wd = add(fd, os.fsencode(folder), WATCHED)
-            if wd < 0:  # ENOSPC: fs.inotify.max_user_watches reached
-                err = ctypes.get_errno()
-                os.close(fd)
-                raise OSError(err, os.strerror(err), folder)
-            watched[wd] = folder
-        return cls(fd, watched)
-
-    def fileno(self) -> int:
-        return self._fd
+        watched: list[dict[int, str]] = [{}, {}]
+        for kind, (paths, mask) in enumerate(((folders, WATCHED), (guards, GUARDED))):
+            for folder in paths:
+                wd = add(fd, os.fsencode(folder), mask)
+                if wd < 0:  # ENOSPC: fs.inotify.max_user_watches reached
+                    err = ctypes.get_errno()
+                    os.close(fd)
+                    raise OSError(err, os.strerror(err), folder)
+                watched[kind][wd] = folder
+        return cls(fd, watched[0], watched[1])
 
     @property
     def ready(self) -> bool:
         """It answers now (listed, not failed)."""
         return self._ready
 
+    def keep(self, objects: str, listed: Callable[[], object]) -> None:
+        """List the folders, call `listed`, then read events as they come (so the kernel's
+        queue does not fill while nobody looks anything up), list again after an
+        overflow, and check every `POLL_MS` that `objects` still names the folder the
+        shards are in; until `close` or a failure.  Blocking: a thread of its own."""
+        try:
+            ino = _inode(objects)
+            self.scan()
+            listed()
+            poller = select.poll()
+            with self._lock:
+                if self._fd >= 0:
+                    poller.register(self._fd, select.POLLIN)
+            while self.failed is None:
+                if poller.poll(POLL_MS):
+                    self.drain()
+                if self.failed is None and self._pending is not None:
+                    self.scan()
+                if self.failed is None and _inode(objects) != ino:
+                    self.fail(f"{objects} names another folder now (the store was moved or deleted)")
+        except OSError as exc:
+            self.fail(f"watching failed: {exc}")
+        finally:
+            listed()
+
     def scan(self) -> None:
-        """List every folder (blocking: run it on a worker thread), then answer from the
-        listing and the events read since the watches were set, in order."""
+        """List every shard folder, then answer from the listing and the events read
+        since the listing began, in order (a name's last event decides it)."""
+        with self._lock:
+            if self.failed is not None:
+                return
+            self._listings += 1
+            if self._listings > MAX_LISTINGS:
+                self._fail(f"the kernel's event queue overflowed {self._overflows} times (fs.inotify.max_queued_events)")
+                return
+            overflows = self._overflows
         names: set[str] = set()
         try:
             for folder in self._folders.values():
                 with os.scandir(folder) as entries:
-                    names.update(e.name for e in entries if "." not in e.name)
+                    names.update(e.name for e in entries if "." not in e.name and e.is_file())
+                with self._lock:
+                    self._read()  # into `_pending`: the queue must not fill while this lists
+                if len(names) > MAX_NAMES:
+                    self.fail(f"more than {MAX_NAMES} objects to keep in memory")
+                    return
         except OSError as exc:
-            with self._lock:
-                self._fail(f"listing {exc.filename} failed: {exc.strerror}")
-            return
-        if len(names) > MAX_NAMES:
-            with self._lock:
-                self._fail(f"more than {MAX_NAMES} objects to keep in memory")
+            self.fail(f"listing {exc.filename} failed: {exc.strerror}")
             return
         with self._lock:
             self._read()
-            pending, self._pending = self._pending, None
-            if self.failed is not None or pending is None:
-                return
+            pending = self._pending
+            if self.failed is not None or pending is None or self._overflows != overflows:
+                return  # failed, or the kernel dropped events while it listed: list again
             for mask, name in pending:
                 if mask & ADDED:
                     names.add(name)
                 else:
                     names.discard(name)
-            self._names = names
-            self._ready = True
+            self._names, self._pending, self._ready = names, None, True
 
     def drain(self) -> None:
-        """Read the events pending (the event loop calls this when the fd is readable, so
-        the kernel's queue never fills while nobody looks anything up)."""
+        """Read the events pending."""
         with self._lock:
             self._read()
 
     def held(self, filenames: Sequence[str]) -> list[bool] | None:
-        """Whether a file of each name is in the folders now, or None (not ready, failed)."""
+        """Whether a file of each name is in the folders now, or None (not listed yet,
+        listing again, failed)."""
         with self._lock:
             if not self._ready:
                 return None
@@ -144,17 +187,17 @@ class ObjectWatch:
             names = self._names
             return [f in names for f in filenames]
 
-    def close(self) -> None:
+    def fail(self, why: str) -> None:
+        """Stop answering for good, and give the inotify instance back."""
         with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
-            self._ready = False
-            self.failed = self.failed or "closed"
+            self._fail(why)
+
+    def close(self) -> None:
+        self.fail("closed")
 
     # -- under the lock ----------------------------------------------------------------
     def _read(self) -> None:
-        while self._fd >= 0 and self.failed is None:
+        while self._fd >= 0:
             try:
                 data = os.read(self._fd, READ_SIZE)
             except BlockingIOError:
@@ -166,38 +209,57 @@ class ObjectWatch:
 
     def _apply(self, data: bytes) -> None:
         at, end = 0, len(data)
-        pending, names = self._pending, self._names
-        while at < end:
+        while at < end and self._fd >= 0:
             wd, mask, _cookie, size = _EVENT.unpack_from(data, at)
             at += _EVENT.size
             raw = data[at : at + size]
             at += size
-            if mask & IN_Q_OVERFLOW:
-                self._fail("the kernel's event queue overflowed (fs.inotify.max_queued_events)")
-                return
+            if mask & IN_Q_OVERFLOW:  # events were dropped: list again, keeping what follows
+                self._overflows += 1
+                self._ready, self._pending, self._names = False, [], set()
+                continue
             if mask & GONE:
-                self._fail(f"{self._folders.get(wd, 'a watched folder')} was removed or moved")
+                self._fail(f"{self._folders.get(wd) or self._guards.get(wd) or 'a watched folder'} was removed or moved")
                 return
             if mask & IN_ISDIR:
                 continue
             name = raw.rstrip(b"\0").decode("utf-8", "surrogateescape")
             if "." in name:
                 continue
-            if pending is not None:
-                pending.append((mask, name))
+            if self._pending is not None:
+                self._pending.append((mask, name))
             elif mask & ADDED:
-                names.add(name)
-                if len(names) > MAX_NAMES:
+                self._names.add(name)
+                if len(self._names) > MAX_NAMES:
                     self._fail(f"more than {MAX_NAMES} objects to keep in memory")
                     return
             else:
-                names.discard(name)
+                self._names.discard(name)
 
     def _fail(self, why: str) -> None:
-        self.failed = why
-        self._ready = False
-        self._pending = None
-        self._names = set()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._ready, self._pending, self._names = False, None, set()
+        if self.failed is None:
+            self.failed = why  # last: a reader seeing it sees the rest done
+
+
+def _inode(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _forked() -> None:
+    """In a child after fork: the inotify instance is shared with the parent, whose events
+    this process must not take; close this process's descriptor of it (the parent's stays)."""
+    for watch in list(_LIVE):
+        watch._lock = threading.Lock()  # another thread may have held it at the fork
+        watch._fail("this process was forked from the one that watches")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 __all__ = ["ObjectWatch"]

@@ -123,7 +123,7 @@ async def test_delete_source_only_after_verified_write(tmp_path: Path) -> None:
     src_url = (tmp_path / "src").as_uri()
     data = await fill(src_url, 6)
     src = open_backend(src_url)
-    broken = DiskBackend(tmp_path / "dst")
+    broken = DiskBackend(tmp_path / "dst", watch=False)  # shard folders made as written, not at open
     for name in list(data)[:3]:  # a file where the shard directory should be: those writes fail
         broken.path_of(name).parent.write_text("not a directory")
     report = await migrate(src, broken, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
