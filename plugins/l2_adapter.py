@@ -147,7 +147,6 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._locks: Counter[str] = Counter()
         self._sizes: dict[str, int] = {}  # names this adapter knows are stored -> bytes
         self._storing: Counter[str] = Counter()  # names being stored now (the start's listing leaves them)
-        self._passed: dict[str, tuple[ObjectKey, int]] = {}  # ...and what it found under them
         self._keys: dict[str, ObjectKey] = {}
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
@@ -284,18 +283,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             results = await asyncio.gather(*(put(g, c) for g, c in groups))
             return self._stored(keys, objects, names, groups, results)
         finally:
-            found: list[tuple[ObjectKey, int]] = []
             with self._lock:
                 self._storing.subtract(storing)
                 self._storing += Counter()  # drop the names at zero
-                for name in storing:  # the start's listing passed over it; the store did not count it
-                    if name not in self._storing and name in self._passed:
-                        key, size = self._passed.pop(name)
-                        if name not in self._sizes:
-                            self._sizes[name], self._keys[name] = size, key
-                            found.append((key, size))
-            if found:
-                self._notify_keys_stored([k for k, _ in found], [n for _, n in found])
 
     def _stored(
         self,
@@ -533,11 +523,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     if key is None:
                         continue
                     with self._lock:
-                        if info.name in self._storing:  # its store counts it (or, failing, counts this)
-                            self._passed[info.name] = (key, info.size)
-                            continue
-                        if info.name in self._sizes:
-                            continue
+                        if info.name in self._sizes or info.name in self._storing:  # its store counts it
+                            continue  # (a failed one leaves an earlier run's copy to be counted when read)
                         self._sizes[info.name] = info.size
                         self._keys[info.name] = key
                     keys.append(key)

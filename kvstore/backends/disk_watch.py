@@ -12,7 +12,7 @@ lists and watches), the index, names (callers pass file names: `encode_filename`
 It answers nothing (None: stat instead) until its first listing is done (`keep`, on
 a thread of its own, which then reads events as they come), nor while it lists again
 after the kernel dropped events (its queue overflowed: a lost event would be a wrong
-answer; at most `MAX_LISTINGS` times), and never again once the store's folders went
+answer; at most `MAX_LISTINGS` times an hour), and never again once the store's folders went
 away or moved (a shard folder, ``objects/`` or the root deleted or renamed, or the
 ``objects/`` path naming another folder now), past `MAX_NAMES` names, or in a child
 process after a fork: it closes its inotify instance and says why (`failed`).  Names with a ``.`` are not objects (temp files ``.<pid>-<n>.tmp``, side files
@@ -30,6 +30,7 @@ import select
 import struct
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
@@ -55,7 +56,8 @@ GUARDED = IN_DELETE_SELF | IN_MOVE_SELF | IN_ONLYDIR  # the folders above the sh
 _EVENT = struct.Struct("iIII")  # wd, mask, cookie, len; then len bytes of NUL-padded name
 READ_SIZE = 1 << 16
 MAX_NAMES = 1 << 22  # ~0.5 GiB of names: a store of more objects is not watched (lookups stat)
-MAX_LISTINGS = 8  # the first listing and relistings after overflows; then it gives up
+MAX_LISTINGS = 8  # listings (the first, and after overflows) within LISTINGS_WINDOW_S; then it gives up
+LISTINGS_WINDOW_S = 3600.0
 POLL_MS = 250  # `keep` checks the objects folder's identity, and for its end, this often
 _LIVE: weakref.WeakSet[ObjectWatch] = weakref.WeakSet()
 
@@ -71,7 +73,7 @@ class ObjectWatch:
         self._names: set[str] = set()
         self._ready = False
         self._pending: list[tuple[int, str]] | None = []  # events read while a listing runs
-        self._listings = 0
+        self._listed_at: list[float] = []  # when the listings within LISTINGS_WINDOW_S began
         self._overflows = 0  # a listing that began before the last overflow is void
         self.failed: str | None = None  # why it stopped answering for good, once it has
         _LIVE.add(self)
@@ -110,27 +112,28 @@ class ObjectWatch:
         return self._ready
 
     def keep(self, objects: str, listed: Callable[[], object]) -> None:
-        """List the folders, call `listed`, then read events as they come (so the kernel's
-        queue does not fill while nobody looks anything up), list again after an
-        overflow, and check every `POLL_MS` that `objects` still names the folder the
-        shards are in; until `close` or a failure.  Blocking: a thread of its own."""
+        """List the folders, then read events as they come (so the kernel's queue does not
+        fill while nobody looks anything up), list again after an overflow, and check
+        every `POLL_MS` that `objects` still names the folder the shards are in; until
+        `close` or a failure.  `listed` is called once the watch answers or never will.
+        Blocking: a thread of its own."""
         try:
             ino = _inode(objects)
-            self.scan()
-            listed()
             poller = select.poll()
             with self._lock:
                 if self._fd >= 0:
                     poller.register(self._fd, select.POLLIN)
             while self.failed is None:
+                if self._pending is not None:  # not listed yet, or events were dropped
+                    self.scan()
+                if self._ready:
+                    listed()
                 if poller.poll(POLL_MS):
                     self.drain()
-                if self.failed is None and self._pending is not None:
-                    self.scan()
                 if self.failed is None and _inode(objects) != ino:
                     self.fail(f"{objects} names another folder now (the store was moved or deleted)")
-        except OSError as exc:
-            self.fail(f"watching failed: {exc}")
+        except Exception as exc:  # the watch must not outlive its thread: nobody would read it
+            self.fail(f"watching failed: {type(exc).__name__}: {exc}")
         finally:
             listed()
 
@@ -140,16 +143,28 @@ class ObjectWatch:
         with self._lock:
             if self.failed is not None:
                 return
-            self._listings += 1
-            if self._listings > MAX_LISTINGS:
-                self._fail(f"the kernel's event queue overflowed {self._overflows} times (fs.inotify.max_queued_events)")
+            now = time.monotonic()
+            self._listed_at = [t for t in self._listed_at if now - t < LISTINGS_WINDOW_S] + [now]
+            if len(self._listed_at) > MAX_LISTINGS:
+                self._fail(
+                    f"the kernel's event queue overflowed {self._overflows} times, {MAX_LISTINGS} within "
+                    f"{LISTINGS_WINDOW_S / 3600:.0f} h (fs.inotify.max_queued_events)"
+                )
                 return
+            # Everything read so far is older than the listing, which sees its effect; read
+            # the queue to its end (an overflow event the kernel queued stays there until
+            # read, and while it does, further drops add no new one), then keep only what
+            # comes after: any drop from now on queues a fresh overflow event.
+            self._read()
+            if self.failed is not None:
+                return
+            self._pending = []
             overflows = self._overflows
         names: set[str] = set()
         try:
             for folder in self._folders.values():
                 with os.scandir(folder) as entries:
-                    names.update(e.name for e in entries if "." not in e.name and e.is_file())
+                    names.update(e.name for e in entries if "." not in e.name and not e.is_dir(follow_symlinks=False))
                 with self._lock:
                     self._read()  # into `_pending`: the queue must not fill while this lists
                 if len(names) > MAX_NAMES:

@@ -140,6 +140,35 @@ async def test_lost_events_mean_a_new_listing_and_stats_meanwhile(tmp_path: Path
     await be.close()
 
 
+async def test_a_listing_after_lost_events_trusts_only_what_follows_it(tmp_path: Path, monkeypatch) -> None:
+    folder = tmp_path / "00"
+    folder.mkdir()
+    (folder / "kept").write_bytes(b"")
+    watch = ObjectWatch.open([str(folder)])
+    assert watch is not None
+    watch.scan()
+    with watch._lock:  # dropped events, then one that came before the drop ended: "x" never stayed
+        watch._apply(struct.pack("iIII", -1, IN_Q_OVERFLOW, 0, 0) + struct.pack("iIII", 1, IN_MOVED_TO, 0, 4) + b"x\0\0\0")
+    assert watch.held(["kept"]) is None, "not answering until listed again"
+    watch.scan()
+    assert watch.held(["kept", "x"]) == [True, False]
+
+    real = os.scandir
+
+    def overflowing(path: str):  # the kernel drops events while the folder is listed
+        _overflow(watch)
+        return real(path)
+
+    monkeypatch.setattr(disk_watch.os, "scandir", overflowing)
+    _overflow(watch)
+    watch.scan()
+    assert not watch.ready, "a listing that overlapped lost events is not trusted"
+    monkeypatch.setattr(disk_watch.os, "scandir", real)
+    watch.scan()
+    assert watch.held(["kept", "x"]) == [True, False]
+    watch.close()
+
+
 @pytest.mark.parametrize("how", ["shard folder removed", "store moved", "store deleted"])
 async def test_a_store_moved_or_deleted_under_it_stops_the_watch_for_good(tmp_path: Path, how: str) -> None:
     be = await _backend(tmp_path / "d", capacity=None)
