@@ -144,6 +144,16 @@ def encode_filename(name: str) -> str:
     return "~" + hashlib.blake2b(name.encode(), digest_size=20).hexdigest()
 
 
+def _watched_name(name: str) -> str:
+    """The file name `ObjectWatch` knows `name` by; "." (never kept) for a string no file
+    can be named after.  No other check is needed: the escaping is one to one, and a
+    name that is not an object's was never written."""
+    try:
+        return encode_filename(name)
+    except UnicodeError:  # a lone surrogate
+        return "."
+
+
 def shard_of(name: str) -> str:
     return hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
 
@@ -982,8 +992,8 @@ class DiskBackend(Backend):
             self._ready_now = True
         watch = self._watch
         if watch is not None:
-            held = watch.held([encode_filename(n) if is_object_name(n) else "." for n in names])
-            if held is not None:  # "." is never kept: not an object's file name
+            held = watch.held([_watched_name(n) for n in names])
+            if held is not None:
                 return held
         valid = [n for n in names if is_object_name(n)]
         sizes = self._sizes_now(valid)
