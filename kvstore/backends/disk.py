@@ -1096,5 +1096,15 @@ class DiskBackend(Backend):
                 "fsync": self.fsync,
                 "index": str(self.index.path),
                 "indexing": not self._opened.done(),
+                "lookups": self._lookup_source(),
             },
         )
+
+    def _lookup_source(self) -> str:
+        """How `contains_now` finds files now: from the watch, or by `stat` and why."""
+        watch = self._watch
+        if watch is None:
+            return "stat"
+        if watch.ready:
+            return "file events"
+        return f"stat ({watch.failed})" if watch.failed else "stat (listing the folders)"

@@ -71,6 +71,7 @@ async def test_what_another_process_publishes_or_deletes_is_seen_at_once(tmp_pat
     (ours.objects_dir / shard_of(N[4]) / encode_filename(N[4])).mkdir()  # a folder where an object would be
     assert ours.contains_now([N[4]]) == [False]
     assert ours.contains_now_most() > 64, "a long prompt's miss is answered here too"
+    assert ours.stats().extra["lookups"] == "file events"
     await ours.close()
     await theirs.close()
 
@@ -186,6 +187,7 @@ async def test_a_store_moved_or_deleted_under_it_stops_the_watch_for_good(tmp_pa
     await _until(lambda: watch.failed is not None, "the watch saw it")
     assert watch._fd == -1, "its inotify instance is given back"
     assert not be._watching()
+    assert be.stats().extra["lookups"].startswith("stat (") and watch.failed in be.stats().extra["lookups"]
     await be.close()
 
 
