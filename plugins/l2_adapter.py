@@ -304,7 +304,6 @@ class KVStoreL2Adapter(L2AdapterInterface):
         for (group, _), res in zip(groups, results):
             for i, ok in zip(group, res):
                 stored = names[i]
-                assert stored is not None
                 if not ok:
                     all_ok = False
                     continue

@@ -464,15 +464,17 @@ class DiskBackend(Backend):
     @classmethod
     def open_existing(cls, url: str) -> DiskBackend:
         """Open a store that must already be there (read-only commands): a path that does not
-        exist is `BackendUnavailableError`, and nothing is created."""
+        exist is `BackendUnavailableError`, and nothing is created (no shard folders: such
+        commands list, they do not look names up, so they need no watch)."""
         root = Path(unquote(urlsplit(url).path))
         if not (root / "objects").is_dir():
             what = "does not exist" if not root.exists() else "is not a kvstore disk store (no objects/)"
             raise BackendUnavailableError(f"{redact_url(url)}: {root} {what}; check the path")
-        return cls.from_url(url)
+        return cls.from_url(url, watch=False)
 
     @classmethod
-    def from_url(cls, url: str) -> DiskBackend:
+    def from_url(cls, url: str, *, watch: bool | None = None) -> DiskBackend:
+        """Open from a URL; `watch` overrides the URL's ``watch`` option."""
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost"):
             raise ValueError(
@@ -489,7 +491,7 @@ class DiskBackend(Backend):
             url=url,
             max_object=opts.get(MAX_OBJECT_OPTION),
             mmap=option_bool("mmap", opts.get("mmap"), True),
-            watch=option_bool("watch", opts.get("watch"), True),
+            watch=option_bool("watch", opts.get("watch"), True) if watch is None else watch,
         )
 
     # ---- the files ------------------------------------------------------------

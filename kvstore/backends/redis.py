@@ -779,7 +779,7 @@ class RedisBackend(Backend):
             pfx = self.options.prefix
             # TYPE, not EXISTS: a key of another type holds no object of ours
             if self.streams is not None:  # one packed round trip on a raw socket
-                keys = [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
+                keys = self._data_keys(names)
                 async with self._lookups:  # at most `inflight` sockets: the pool keeps that many
                     types = await self.streams.types(keys)
                 for i, t in enumerate(types):
@@ -810,9 +810,8 @@ class RedisBackend(Backend):
         t0 = self._clock()
         if probe is None or self._failing or not probe.resolved or not self._inline.open(t0):
             return None
-        pfx = self.options.prefix
         try:
-            keys = [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
+            keys = self._data_keys(names)
         except UnicodeError:  # not a name we could have stored: let the loop say so
             return None
         try:
@@ -838,6 +837,11 @@ class RedisBackend(Backend):
 
     def contains_now_batch(self) -> int:
         return 64  # one round trip for a long prompt's miss
+
+    def _data_keys(self, names: Sequence[str]) -> list[bytes]:
+        """The keys whose ``TYPE`` says whether each name is held, as sent on a raw socket."""
+        pfx = self.options.prefix
+        return [layout.data_key(pfx, n).encode("utf-8", "surrogateescape") for n in names]
 
     def _resolve_probe(self) -> None:
         """Have the loop resolve the probe's host, in the background (a lookup on the loop

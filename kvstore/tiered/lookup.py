@@ -16,9 +16,9 @@ from kvstore.tiered.parts import Parts
 # `known` asks a tier's `contains_now` about `Backend.contains_now_batch` names a call
 # (a disk tier stats no more than 8 on the caller's thread at once, and backs off after
 # slow batches; a Redis tier asks up to 64 in one round trip; a disk tier that watches
-# its files and a memory tier, up to 1,024) and answers None past `Backend.contains_now_most` names the books
-# do not hold: a long prompt's miss is then asked on the loop, whose stats leave the
-# caller's thread free.
+# its files, and a memory tier, up to 1,024) and answers None past
+# `Backend.contains_now_most` names the books do not hold: a long prompt's miss is then
+# asked on the loop, whose stats leave the caller's thread free.
 
 
 class Lookup:
