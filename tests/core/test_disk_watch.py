@@ -229,9 +229,13 @@ async def test_a_forked_child_does_not_take_the_parents_events(tmp_path: Path) -
     await be.close()
 
 
-def test_disk_urls_take_the_watch_option(tmp_path: Path) -> None:
+def test_disk_urls_take_the_watch_option_and_read_only_opens_create_nothing(tmp_path: Path) -> None:
     be = DiskBackend.from_url(f"file://{tmp_path}/d?watch=false")
     assert be._watched.done() and be._watch is None
+    assert list((tmp_path / "d" / "objects").iterdir()) == [], "unwatched: shard folders come with writes"
     asyncio.run(be.close())
+    existing = DiskBackend.open_existing(f"file://{tmp_path}/d")  # what `kvstore ls` / `stat` open
+    assert existing._watch is None and list((tmp_path / "d" / "objects").iterdir()) == []
+    asyncio.run(existing.close())
     with pytest.raises(ValueError):
         DiskBackend.from_url(f"file://{tmp_path}/d?watch=maybe")

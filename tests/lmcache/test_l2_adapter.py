@@ -127,6 +127,31 @@ def test_lookups_are_answered_at_submit_and_their_locks_hold_under_pressure(make
     ad.submit_unlock(keys)
 
 
+def test_the_start_listing_leaves_chunks_being_stored_to_their_store(make_adapter, tmp_path):
+    """LMCache's usage counts each chunk once, at the size its store gave: a chunk whose
+    file the start-up listing meets while this adapter is storing it is counted by the
+    store, not by the listing (which would count it at its frame's size)."""
+    url = f"file://{tmp_path}/d?fsync=false"
+    other = make_adapter([url])
+    assert store(other, [okey(1), okey(2)], [kv(1), kv(2)])  # on disk, unknown to `ad`
+    ad = make_adapter([url])
+    ad.runtime.submit(ad._adopt_existing()).result(10)  # as the listing at start does (names count once)
+    before = ad.get_usage().total_bytes_used
+    assert before > 2 * kv(1).nbytes, "the start listing counted both, at their frame's size"
+    (name3,) = ad._names([okey(3)])
+    assert store(other, [okey(3)], [kv(3)])
+    with ad._lock:
+        ad._storing[name3] += 1  # as while `ad` stores it
+    ad.runtime.submit(ad._adopt_existing()).result(10)
+    assert ad.get_usage().total_bytes_used == before, "a chunk being stored is left to its store"
+    with ad._lock:
+        ad._storing.clear()
+    assert store(ad, [okey(3)], [kv(3)])
+    assert ad.get_usage().total_bytes_used == before + kv(3).nbytes
+    ad.runtime.submit(ad._adopt_existing()).result(10)
+    assert ad.get_usage().total_bytes_used == before + kv(3).nbytes, "counted once"
+
+
 def test_models_ranks_groups_and_salts_never_collide(make_adapter):
     ad = make_adapter()
     variants = [
