@@ -3,8 +3,8 @@
 Owns: `ObjectWatch`, the set of file names under ``ROOT/objects/<shard>/`` built by one
 listing and then kept by Linux's inotify events (a rename into place or a create adds a
 name; an unlink or a rename away removes it), so a lookup of names the store's books do
-not hold costs one non-blocking ``read`` of pending events and set lookups, instead of
-a ``stat`` per name (a 128-chunk prompt that misses: 128 stats).  Events are queued by
+not hold costs a ``poll`` of the event queue (a ``read`` when events are pending) and
+set lookups, instead of a ``stat`` per name (a 128-chunk prompt that misses: 128 stats).  Events are queued by
 the kernel when the rename happens, in order, so a name published by any process before
 `held` reads the queue is seen by it.  Must not touch: the files themselves (it only
 lists and watches), the index, names (callers pass file names: `encode_filename`).
@@ -67,6 +67,8 @@ class ObjectWatch:
 
     def __init__(self, fd: int, folders: dict[int, str], guards: dict[int, str]) -> None:
         self._fd = fd
+        self._poll = select.poll()  # whether events are pending (`_read`)
+        self._poll.register(fd, select.POLLIN)
         self._folders = folders  # watch descriptor -> shard folder
         self._guards = guards  # watch descriptor -> a folder above them
         self._lock = threading.Lock()
@@ -212,7 +214,9 @@ class ObjectWatch:
 
     # -- under the lock ----------------------------------------------------------------
     def _read(self) -> None:
-        while self._fd >= 0:
+        # poll first: a read of an empty queue raises BlockingIOError, which costs a
+        # lookup 3 µs where the poll costs 0.6 (most lookups find nothing pending)
+        while self._fd >= 0 and self._poll.poll(0):
             try:
                 data = os.read(self._fd, READ_SIZE)
             except BlockingIOError:
