@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import Counter
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -207,30 +207,33 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return None
         return result
 
-    def _admit(self, coro: Coroutine[Any, Any, Any]) -> bool:
-        """May this task run?  Not after close (then `coro` is closed unrun)."""
-        if self._closed:
-            self.counters.refused += 1
-            coro.close()
-            return False
-        return True
+    def _start(self, task: Coroutine[Any, Any, None], refused: Callable[[], None]) -> None:
+        """Run `task` (a ``_finish_*`` coroutine, which makes the work's own coroutine
+        where it runs, so no coroutine is left unawaited) on the store's loop; after
+        close, or once the loop no longer runs, close it unrun and call `refused`, which
+        completes LMCache's task as failed."""
+        if not self._closed:
+            try:
+                self.runtime.submit(task)
+                return
+            except RuntimeError:  # the runtime's loop stopped (closed under us)
+                pass
+        task.close()
+        self.counters.refused += 1
+        refused()
 
     # --------------------------------------------------------------------- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._new_id()
-        coro = self._store(keys, objects)
-        if self._admit(coro):
-            self.runtime.submit(self._finish_store(tid, coro, len(keys)))
-        else:
-            self._complete_store(tid, L2StoreResult(False, 0))
+        self._start(self._finish_store(tid, keys, objects), lambda: self._complete_store(tid, L2StoreResult(False, 0)))
         return tid
 
-    async def _finish_store(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], n: int) -> None:
+    async def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         # writes may move tens of MiB per chunk: a longer deadline than reads
         deadline = max(30.0, 6 * self.config.store.timeout_s)
-        written = await self._bounded(coro, deadline, f"store of {n} chunk(s)")
+        written = await self._bounded(self._store(keys, objects), deadline, f"store of {len(keys)} chunk(s)")
         if written is None:
-            self.counters.stores_failed += n
+            self.counters.stores_failed += len(keys)
             self._complete_store(tid, L2StoreResult(False, 0))
         else:
             ok, nbytes = written
@@ -337,11 +340,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if hits is not None:  # answered from the books on this thread: no hop to the loop
             self._lookup_done(tid, hits, at_submit=True)
             return tid
-        coro = self._lookup(names)
-        if self._admit(coro):
-            self.runtime.submit(self._finish_lookup(tid, coro, len(keys)))
-        else:
-            self._complete_lookup(tid, Bitmap(len(keys)))
+        self._start(self._finish_lookup(tid, names), lambda: self._complete_lookup(tid, Bitmap(len(keys))))
         return tid
 
     def _note_chains(self, keys: list[ObjectKey], names: list[str | None]) -> None:
@@ -398,8 +397,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 self.runtime.store.pin(held, ttl=self.config.lock_ttl_s)
         return hits
 
-    async def _finish_lookup(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], n: int) -> None:
-        hits = await self._bounded(coro, self.config.store.timeout_s, f"lookup of {n} chunk(s)")
+    async def _finish_lookup(self, tid: L2TaskId, names: list[str | None]) -> None:
+        n = len(names)
+        hits = await self._bounded(self._lookup(names), self.config.store.timeout_s, f"lookup of {n} chunk(s)")
         self._lookup_done(tid, hits if hits is not None else [False] * n)
 
     def _lookup_done(self, tid: L2TaskId, hits: list[bool], *, at_submit: bool = False) -> None:
@@ -442,11 +442,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     # ---------------------------------------------------------------------- load
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._new_id()
-        coro = self._load(self._names(keys), objects)
-        if self._admit(coro):
-            self.runtime.submit(self._finish_load(tid, coro, keys))
-        else:
-            self._complete_load(tid, Bitmap(len(keys)))
+        names = self._names(keys)
+        self._start(self._finish_load(tid, names, objects, keys), lambda: self._complete_load(tid, Bitmap(len(keys))))
         return tid
 
     async def _load(self, names: list[str | None], objects: list[MemoryObj]) -> list[bool]:
@@ -459,9 +456,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
             hits[i] = t is not None
         return hits
 
-    async def _finish_load(self, tid: L2TaskId, coro: Coroutine[Any, Any, Any], keys: list[ObjectKey]) -> None:
+    async def _finish_load(
+        self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey]
+    ) -> None:
         # a cancelled read returns only once nothing writes into the MemoryObjs any more
-        hits = await self._bounded(coro, self.config.store.timeout_s, f"load of {len(keys)} chunk(s)")
+        hits = await self._bounded(self._load(names, objects), self.config.store.timeout_s, f"load of {len(keys)} chunk(s)")
         bitmap = Bitmap(len(keys))
         for i, hit in enumerate(hits or ()):
             if hit:

@@ -75,6 +75,7 @@ class StoreRuntime:
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._thread.start()
         self._lock = threading.Lock()
+        self._stopping = False  # set (under `_lock`) once the loop is told to stop
         self._inflight: dict[str, concurrent.futures.Future] = {}
         self.pending_bytes = 0
         self._closed = False
@@ -100,11 +101,22 @@ class StoreRuntime:
 
     # ------------------------------------------------------------- calling in
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run `coro` on the store's loop.  Once the loop is stopping (`close`), nothing
+        would ever run it: `coro` is closed unrun and `RuntimeError` raised."""
+        with self._lock:  # `_stop` sets the flag under it: nothing slips in after the stop
+            if not self._stopping:
+                return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        coro.close()
+        raise RuntimeError("kvstore's store is closed: its loop no longer runs")
 
     def call(self, coro: Coroutine[Any, Any, T], default: T, what: str) -> T:
         """Run on the store's loop and wait at most ``timeout_s``; faults become `default`."""
-        fut = self.submit(coro)
+        try:
+            fut = self.submit(coro)
+        except RuntimeError as exc:  # closed
+            self.counters.errors += 1
+            log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
+            return default
         try:
             return fut.result(timeout=self.cfg.timeout_s)
         except concurrent.futures.TimeoutError:
@@ -118,9 +130,8 @@ class StoreRuntime:
 
     async def acall(self, coro: Coroutine[Any, Any, T], default: T, what: str) -> T:
         """`call` for a caller running on another event loop (LMCache's)."""
-        fut = asyncio.wrap_future(self.submit(coro))
         try:
-            return await asyncio.wait_for(fut, timeout=self.cfg.timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(self.submit(coro)), timeout=self.cfg.timeout_s)
         except asyncio.TimeoutError:
             self.counters.timeouts += 1
             log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, self.cfg.timeout_s)
@@ -212,7 +223,11 @@ class StoreRuntime:
             for i in chosen:
                 self._inflight[items[i][0]] = fut
         self.counters.put_submitted += len(chosen)
-        inner = self.submit(self._guarded_put(make_coro, chosen))
+        try:
+            inner = self.submit(self._guarded_put(make_coro, chosen))
+        except RuntimeError as exc:  # closed: nothing will write them; `done` releases them
+            inner = concurrent.futures.Future()
+            inner.set_exception(exc)
 
         def done(f: concurrent.futures.Future) -> None:
             try:
@@ -278,7 +293,9 @@ class StoreRuntime:
         self._stop()
 
     def _stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        with self._lock:
+            self._stopping = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
 

@@ -433,3 +433,26 @@ def test_memory_tags_follow_the_tiers_and_the_residency_setting(make_adapter, tm
         return
     assert ad.get_memory_tags() == api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.LOCAL)
     assert shared.get_memory_tags() == api.MemoryTags(api.MemorySegment.STORAGE, api.MemoryResidency.REMOTE)
+
+
+def test_tasks_after_the_store_stopped_complete_as_failures_and_leave_nothing_unawaited(make_adapter):
+    """A task submitted once the store's loop no longer runs (its runtime closed under
+    the adapter, or a task racing `close`) completes at once as a failure: no task that
+    LMCache waits on forever, no coroutine left unawaited."""
+    import gc
+    import warnings
+
+    ad = make_adapter()
+    keys = [okey(i) for i in range(3)]
+    assert store(ad, keys[:1], [kv(0)])
+    ad.runtime.close()
+    sync = SyncL2(ad, timeout_s=5.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert sync.store(keys[1:2], [kv(1)]) is False
+        assert sync.load(keys[:1], [torch.zeros(SHAPE, dtype=torch.bfloat16)]) == [False]
+        found = sync.lookup(keys[2:])  # unknown to the books: needs the loop, or says no at once
+        assert found == [False]
+        gc.collect()
+    assert ad.counters.refused >= 2
+    assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
