@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import statistics
@@ -223,6 +224,11 @@ def first_chunk_child(path: str, opts: dict, scenario: str) -> None:
     from kvstore.codec import get
 
     res: dict[str, object] = {"nbytes": chunk.numel() * chunk.element_size()}
+    warned: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warned.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("kvstore").addHandler(handler)
+    res["warnings"] = warned  # a failed warm-up says so here (the first chunk then pays it)
     t0 = _clock()
     try:
         codec = get("cachegen", threads=1, **opts, **({"warm": 0} if scenario == "cold" else {}))
@@ -320,7 +326,8 @@ def first_chunk(args: argparse.Namespace) -> None:
             print(
                 f"[{k + 1}/{len(plan)}] {name} {sc}{' (empty numba cache)' if cache else ''} {chunks[i][0]}: "
                 f"encode {rec['nbytes'] / 1e6 / rec['encode']['wall']:.0f} MB/s, decode "
-                f"{rec['nbytes'] / 1e6 / rec['decode']['wall']:.0f} MB/s (wall)",
+                f"{rec['nbytes'] / 1e6 / rec['decode']['wall']:.0f} MB/s (wall)"
+                + "".join(f"; warning: {w}" for w in rec.get("warnings", ())),
                 flush=True,
             )
     print(first_chunk_report(runs, args))

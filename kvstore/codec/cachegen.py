@@ -34,6 +34,7 @@ channels differ from the fingerprint the profile carries.  Presets fit any model
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -72,6 +73,8 @@ from kvstore.codec.cachegen_profile import (
 )
 from kvstore.codec.cachegen_tables import CodebookSet, alphabet, bins_to_max, check_bins
 from kvstore.frame import FrameHeader
+
+log = logging.getLogger("kvstore.codec")
 
 PRESETS = ("lmcache",)
 _POOL: ThreadPoolExecutor | None = None
@@ -193,8 +196,12 @@ def _warm_in_background(codec: CacheGenCodec) -> threading.Thread | None:
             def run() -> None:
                 try:
                     warm_up(codec)
-                except Exception:  # best effort: a real call reports the error itself
-                    pass
+                except Exception as exc:  # best effort: a real call reports its own error
+                    log.warning(
+                        "kvstore: cachegen warm-up failed (%s: %s); the first chunk will load the kernels itself",
+                        type(exc).__name__,
+                        exc,
+                    )
 
             t = _WARM[key] = threading.Thread(target=run, name="cachegen-warm-up", daemon=True)
             t.start()
