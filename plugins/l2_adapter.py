@@ -157,6 +157,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self.runtime = StoreRuntime(cfg, name="kvstore-l2")
         self.runtime.store.on_gone = self._gone
         self._closed = False
+        self._efds_closed = False
         export_store(self.runtime.store, name="kvstore-l2", adapter=self, port=config.metrics_port)
         self.runtime.submit(self._adopt_existing())
         log.info("kvstore L2 adapter ready: %s", cfg.describe())
@@ -214,10 +215,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
         completes LMCache's task as failed."""
         if not self._closed:
             try:
-                self.runtime.submit(task)
-                return
+                fut = self.runtime.submit(task)
             except RuntimeError:  # the runtime's loop stopped (closed under us)
                 pass
+            else:
+                # cancelled (the runtime stopping with it unfinished, even unstarted): failed
+                fut.add_done_callback(lambda f: refused() if f.cancelled() else None)
+                return
         task.close()
         self.counters.refused += 1
         refused()
@@ -242,7 +246,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _complete_store(self, tid: L2TaskId, result: L2StoreResult) -> None:
         with self._lock:
             self._done_stores[tid] = result
-        self._store_efd.notify()
+            if not self._efds_closed:  # under the lock `close` closes them under
+                self._store_efd.notify()
 
     async def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> tuple[bool, int]:
         """Write the batch: chunks a lookup placed in a prompt go as chained runs with their
@@ -419,7 +424,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _complete_lookup(self, tid: L2TaskId, bitmap: Bitmap) -> None:
         with self._lock:
             self._done_lookups[tid] = bitmap
-        self._lookup_efd.notify()
+            if not self._efds_closed:  # under the lock `close` closes them under
+                self._lookup_efd.notify()
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -475,7 +481,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _complete_load(self, tid: L2TaskId, bitmap: Bitmap) -> None:
         with self._lock:
             self._done_loads[tid] = bitmap
-        self._load_efd.notify()
+            if not self._efds_closed:  # under the lock `close` closes them under
+                self._load_efd.notify()
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -598,8 +605,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return
         self._closed = True
         self.runtime.close()
-        for efd in (self._store_efd, self._lookup_efd, self._load_efd):
-            efd.close()
+        with self._lock:  # a task refused or ending now must not notify a closed fd
+            self._efds_closed = True
+            for efd in (self._store_efd, self._lookup_efd, self._load_efd):
+                efd.close()
 
 
 def store_capacity(cfg: StoreConfig) -> int:

@@ -28,6 +28,7 @@ from kvstore_lmcache.reuse_watch import ReuseWatch
 log = logging.getLogger("kvstore.plugins")
 T = TypeVar("T")
 MAX_PARENTS = 1 << 16  # prompts' chunk parents remembered between a lookup and its store
+STOP_GRACE_S = 5.0  # how long a closing runtime lets its cancelled tasks end
 
 
 @dataclass
@@ -89,6 +90,13 @@ class StoreRuntime:
         self.metrics_label = export_store(self.store, name=name, plugin=self)  # docs/operations.md
         self.reuse = ReuseWatch(namespace=cfg.namespace)
         self.submit(self._count_existing())
+
+    async def _cancel_rest(self) -> None:
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:
+            t.cancel()
+        if rest:
+            await asyncio.wait(rest, timeout=STOP_GRACE_S)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -207,6 +215,7 @@ class StoreRuntime:
         """
         chosen: list[int] = []
         with self._lock:
+            closed = self._closed  # `close` sets it under this lock: a put after it is refused
             for i, (name, _obj, nbytes) in enumerate(items):
                 if name in self._inflight:
                     self.counters.put_deduped += 1
@@ -224,6 +233,8 @@ class StoreRuntime:
                 self._inflight[items[i][0]] = fut
         self.counters.put_submitted += len(chosen)
         try:
+            if closed:
+                raise RuntimeError("kvstore's store is closed")
             inner = self.submit(self._guarded_put(make_coro, chosen))
         except RuntimeError as exc:  # closed: nothing will write them; `done` releases them
             inner = concurrent.futures.Future()
@@ -281,9 +292,10 @@ class StoreRuntime:
         }
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.wait_writes(timeout=max(30.0, 6 * self.cfg.timeout_s))
         forget_store(self.store)
         try:
@@ -294,8 +306,14 @@ class StoreRuntime:
 
     def _stop(self) -> None:
         with self._lock:
-            self._stopping = True
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._stopping = True  # from here `submit` refuses
+        # Tasks still running (a read stuck on a slow tier) or not yet started are
+        # cancelled and given a moment to end, so whoever waits on one hears it failed.
+        try:
+            asyncio.run_coroutine_threadsafe(self._cancel_rest(), self.loop).result(timeout=STOP_GRACE_S + 5)
+        except Exception as exc:
+            log.warning("kvstore: cancelling the store's last tasks failed: %s", exc)
+        self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 
 

@@ -456,3 +456,32 @@ def test_tasks_after_the_store_stopped_complete_as_failures_and_leave_nothing_un
         gc.collect()
     assert ad.counters.refused >= 2
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_close_fails_a_load_stuck_on_a_tier_and_later_tasks_raise_nothing(make_adapter):
+    """A load still waiting on a tier when the adapter closes is completed as a miss by
+    the close (not left for LMCache to wait on); a task submitted after close completes
+    at once as a failure, without touching the closed event fds."""
+    import asyncio
+
+    from kvstore_lmcache.l2_sync import memory_obj
+
+    ad = make_adapter(timeout_s=60)
+    keys = [okey(i) for i in range(2)]
+    assert store(ad, keys[:1], [kv(0)])
+    started = __import__("threading").Event()
+
+    async def stuck(*_a, **_k):
+        started.set()
+        await asyncio.Event().wait()
+
+    with mock.patch.object(ad.runtime.store, "get_many", stuck):
+        tid = ad.submit_load_task(keys[:1], [memory_obj(torch.zeros(SHAPE, dtype=torch.bfloat16))])
+        assert started.wait(10)
+        t0 = time.monotonic()
+        ad.close()
+        assert time.monotonic() - t0 < 20
+    bm = ad.query_load_result(tid)
+    assert bm is not None and not bm.test(0)
+    tid = ad.submit_store_task(keys[1:], [memory_obj(kv(1))])  # no OSError from a closed fd
+    assert ad.pop_completed_store_tasks()[tid].is_successful() is False
