@@ -138,8 +138,19 @@ class StoreRuntime:
 
     async def acall(self, coro: Coroutine[Any, Any, T], default: T, what: str) -> T:
         """`call` for a caller running on another event loop (LMCache's)."""
+        inner: concurrent.futures.Future[T] | None = None
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(self.submit(coro)), timeout=self.cfg.timeout_s)
+            inner = self.submit(coro)
+            return await asyncio.wait_for(asyncio.wrap_future(inner), timeout=self.cfg.timeout_s)
+        except asyncio.CancelledError:
+            # The store's task was cancelled (the runtime stopping), not the caller's: a
+            # miss.  The caller's own cancellation (or a Python that cannot tell them
+            # apart: `Task.cancelling` is 3.11+) goes on up.
+            cancelling = getattr(asyncio.current_task(), "cancelling", None)
+            if inner is None or not inner.cancelled() or cancelling is None or cancelling():
+                raise
+            self.counters.errors += 1
+            log.warning("kvstore: %s was cancelled (the store is closing); served as a miss", what)
         except asyncio.TimeoutError:
             self.counters.timeouts += 1
             log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, self.cfg.timeout_s)

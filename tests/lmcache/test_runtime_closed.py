@@ -35,3 +35,31 @@ def test_a_closed_runtime_refuses_work_and_releases_what_it_was_given() -> None:
         gc.collect()
     assert rt.counters.put_failed == 2 and rt.counters.errors == 1
     assert not [w for w in caught if "never awaited" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.skipif(not hasattr(__import__("asyncio").Task, "cancelling"), reason="needs Task.cancelling (3.11+)")
+def test_a_read_the_closing_runtime_cancels_is_a_miss_on_the_callers_loop() -> None:
+    """A read awaited on LMCache's loop (`acall`) whose store task the closing runtime
+    cancels returns the miss; the cancellation does not reach LMCache's coroutine."""
+    import asyncio
+    import threading
+
+    rt = StoreRuntime(
+        StoreConfig.from_mapping({"kvstore.tiers": "mem://closing-rt", "kvstore.timeout_s": 60}),
+        name="kvstore-plugin",
+    )
+    started = threading.Event()
+
+    async def stuck() -> list[bool]:
+        started.set()
+        await asyncio.Event().wait()
+        return [True]
+
+    async def caller() -> list[bool]:
+        return await rt.acall(stuck(), [False], "read")
+
+    closer = threading.Thread(target=lambda: (started.wait(10), rt.close()))
+    closer.start()
+    assert asyncio.run(asyncio.wait_for(caller(), 30)) == [False]
+    closer.join(30)
+    assert rt.counters.errors == 1
