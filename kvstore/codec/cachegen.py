@@ -260,14 +260,17 @@ class CacheGenCodec(Codec):
         self.num_layers = num_layers if num_layers is None else int(num_layers)
         self.threads = max(1, int(threads))
         self._presets: dict[int, Profile] = {}
-        self._warming: threading.Thread | None = _warm_in_background(self) if int(warm) else None
+        # Set before the warm-up starts: its thread codes through this codec at once, and
+        # (when the thread won that race) found no `_warming` yet and failed, so the first
+        # chunk loaded the kernels itself.
+        self._warming: threading.Thread | None = None
+        self._warming = _warm_in_background(self) if int(warm) else None
 
     def wait_warm(self) -> None:
         """Block until this codec's warm-up (if any is running) has finished."""
         t = self._warming
-        if t is not None:
-            if t is not threading.current_thread():
-                t.join()
+        if t is not None and t is not threading.current_thread():  # the warm-up's own calls do not wait
+            t.join()
             self._warming = None
 
     # ---- configuration -------------------------------------------------------------

@@ -120,3 +120,55 @@ def test_table_choice_is_the_cheapest_table_and_the_first_of_equal_cost():
     # A channel whose cheapest tables are a tie is coded with the first of them.
     ties = (cost == cost.min(axis=2, keepdims=True)).sum(axis=2) > 1
     assert ties.sum() > 1
+
+
+def test_a_warm_up_that_starts_at_once_does_not_fail(monkeypatch, caplog):
+    """The warm-up thread codes through the new codec at once; where it ran before the
+    constructor had finished (here: a thread that runs as soon as it is started) it
+    failed on a codec without its state, and the first chunk paid the kernels' load."""
+    import logging
+    import threading
+
+    import kvstore.codec.cachegen as cg
+
+    class AtOnce(threading.Thread):
+        def start(self) -> None:
+            self.run()
+
+        def is_alive(self) -> bool:
+            return False
+
+    monkeypatch.setattr(cg, "_WARM", {})
+    monkeypatch.setattr(cg.threading, "Thread", AtOnce)
+    with caplog.at_level(logging.WARNING, logger="kvstore.codec"):
+        c = CacheGenCodec(preset="lmcache")
+    assert not [r for r in caplog.records if "warm-up failed" in r.getMessage()]
+    assert c._warming is None
+
+
+def test_the_warm_up_s_own_calls_leave_others_waiting(monkeypatch):
+    """A codec the warm-up codes through is still warming for every other thread: their
+    first call waits for the whole warm-up, not only until the warm-up's first call."""
+    import threading
+
+    import kvstore.codec.cachegen as cg
+
+    release, own_calls_done = threading.Event(), threading.Event()
+    real = cg.warm_up
+
+    def slow(codec=None):
+        real(codec)  # its own encode/decode calls `wait_warm` on this codec
+        own_calls_done.set()
+        release.wait(10)
+
+    monkeypatch.setattr(cg, "_WARM", {})
+    monkeypatch.setattr(cg, "warm_up", slow)
+    c = CacheGenCodec(preset="lmcache")
+    assert own_calls_done.wait(60)
+    waited = threading.Event()
+    t = threading.Thread(target=lambda: (c.wait_warm(), waited.set()))
+    t.start()
+    assert not waited.wait(1.0)
+    release.set()
+    assert waited.wait(10)
+    t.join(10)
