@@ -243,11 +243,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
             ok, nbytes = written
             self._complete_store(tid, L2StoreResult(ok, nbytes))
 
-    def _complete_store(self, tid: L2TaskId, result: L2StoreResult) -> None:
+    def _publish(self, done: dict[L2TaskId, Any], tid: L2TaskId, result: Any, efd: Any) -> None:
+        """Hand LMCache a finished task's result and wake its poller (not once `close`
+        closed the event fds: under the lock it closes them under)."""
         with self._lock:
-            self._done_stores[tid] = result
-            if not self._efds_closed:  # under the lock `close` closes them under
-                self._store_efd.notify()
+            done[tid] = result
+            if not self._efds_closed:
+                efd.notify()
+
+    def _complete_store(self, tid: L2TaskId, result: L2StoreResult) -> None:
+        self._publish(self._done_stores, tid, result, self._store_efd)
 
     async def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> tuple[bool, int]:
         """Write the batch: chunks a lookup placed in a prompt go as chained runs with their
@@ -422,10 +427,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._complete_lookup(tid, bitmap)
 
     def _complete_lookup(self, tid: L2TaskId, bitmap: Bitmap) -> None:
-        with self._lock:
-            self._done_lookups[tid] = bitmap
-            if not self._efds_closed:  # under the lock `close` closes them under
-                self._lookup_efd.notify()
+        self._publish(self._done_lookups, tid, bitmap, self._lookup_efd)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -479,10 +481,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._complete_load(tid, bitmap)
 
     def _complete_load(self, tid: L2TaskId, bitmap: Bitmap) -> None:
-        with self._lock:
-            self._done_loads[tid] = bitmap
-            if not self._efds_closed:  # under the lock `close` closes them under
-                self._load_efd.notify()
+        self._publish(self._done_loads, tid, bitmap, self._load_efd)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:

@@ -316,7 +316,9 @@ def test_redis_misses_are_answered_at_submit_and_chunks_stored_elsewhere_are_fou
     the store's loop); one that finds a chunk the books do not know (another server
     stored it) still asks on the loop, which takes it into the books, and it loads."""
     with RedisServer(workdir=tmp_path / "redis") as server:
-        ad = make_adapter([server.url])
+        # a deadline no slow moment of a shared CI machine reaches: the default 5 ms would
+        # send a lookup whose first connect and login took longer to the loop, as designed
+        ad = make_adapter([f"{server.url}?inline_timeout=0.5"])
         other = make_adapter([server.url])  # a second server process on the same Redis
         keys = [okey(i) for i in range(4)]
         with mock.patch.object(ad.runtime, "submit", side_effect=AssertionError("the lookup went to the loop")):
