@@ -32,6 +32,7 @@ stored object whose key, checksum, shape or dtype does not match is a miss.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -50,7 +51,7 @@ from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
 from kvstore_lmcache.keymap import mp_object_key, mp_object_name, mp_object_names, payload_of
 from kvstore_lmcache.memory_tags import RESIDENCIES, Residency, StoreTags, store_tags
-from kvstore_lmcache.runtime import StoreRuntime, log
+from kvstore_lmcache.runtime import Role, StoreRuntime, log
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import KeyListPage, MemoryLayoutDesc, ObjectKey
@@ -159,7 +160,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._closed = False
         self._efds_closed = False
         export_store(self.runtime.store, name="kvstore-l2", adapter=self, port=config.metrics_port)
-        self.runtime.submit(self._adopt_existing())
+        self.runtime.submit(self._adopt_existing(), "background")
         log.info("kvstore L2 adapter ready: %s", cfg.describe())
 
     # ---------------------------------------------------------------- event fds
@@ -208,28 +209,48 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return None
         return result
 
-    def _start(self, task: Coroutine[Any, Any, None], refused: Callable[[], None]) -> None:
+    def _start(self, task: Coroutine[Any, Any, None], refused: Callable[[], None], role: Role = "read") -> None:
         """Run `task` (a ``_finish_*`` coroutine, which makes the work's own coroutine
         where it runs, so no coroutine is left unawaited) on the store's loop; after
         close, or once the loop no longer runs, close it unrun and call `refused`, which
-        completes LMCache's task as failed."""
+        completes LMCache's task as failed.  A task that is cancelled (the runtime
+        closing) or raises before it completes LMCache's task is completed as failed too:
+        LMCache never waits on a task that will not end."""
         if not self._closed:
             try:
-                fut = self.runtime.submit(task)
+                fut = self.runtime.submit(task, role)
             except RuntimeError:  # the runtime's loop stopped (closed under us)
                 pass
             else:
-                # cancelled (the runtime stopping with it unfinished, even unstarted): failed
-                fut.add_done_callback(lambda f: refused() if f.cancelled() else None)
+                fut.add_done_callback(lambda f: self._ended(f, refused))
                 return
         task.close()
         self.counters.refused += 1
         refused()
 
+    def _ended(self, fut: concurrent.futures.Future[None], refused: Callable[[], None]) -> None:
+        if fut.cancelled():
+            refused()
+        elif (exc := fut.exception()) is not None:
+            self.counters.errors += 1
+            log.error("kvstore L2: a task failed before it completed (%r); completed as failed", exc)
+            refused()
+
+    def _tell(self, what: str, notify: Callable[..., None], *args: Any) -> None:
+        """One of LMCache's ``_notify_keys_*`` (its listeners and event bus): a listener
+        that raises is logged, and neither fails the task nor reaches the loop."""
+        try:
+            notify(*args)
+        except Exception:
+            self.counters.errors += 1
+            log.exception("kvstore L2: telling LMCache's listeners keys were %s failed", what)
+
     # --------------------------------------------------------------------- store
     def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._new_id()
-        self._start(self._finish_store(tid, keys, objects), lambda: self._complete_store(tid, L2StoreResult(False, 0)))
+        self._start(
+            self._finish_store(tid, keys, objects), lambda: self._complete_store(tid, L2StoreResult(False, 0)), "write"
+        )
         return tid
 
     async def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
@@ -331,7 +352,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     new_sizes.append(size)
         self.counters.stores += len(keys)
         if new_keys:
-            self._notify_keys_stored(new_keys, new_sizes)
+            self._tell("stored", self._notify_keys_stored, new_keys, new_sizes)
         return all_ok, nbytes
 
     def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
@@ -477,7 +498,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self.counters.load_hits += bitmap.popcount()
         accessed = [k for i, k in enumerate(keys) if bitmap.test(i)]
         if accessed:
-            self._notify_keys_accessed(accessed)
+            self._tell("accessed", self._notify_keys_accessed, accessed)
         self._complete_load(tid, bitmap)
 
     def _complete_load(self, tid: L2TaskId, bitmap: Bitmap) -> None:
@@ -509,7 +530,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     keys.append(key)
                     sizes.append(size)
         if keys:
-            self._notify_keys_deleted(keys, sizes)
+            self._tell("deleted", self._notify_keys_deleted, keys, sizes)
 
     async def _adopt_existing(self) -> None:
         """Count what earlier runs left in the tiers (every tier: with ``write=back`` no
@@ -536,7 +557,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             except Exception as exc:
                 log.warning("kvstore L2: listing %s at start failed (%s); its objects count once read", tier.name, exc)
         if keys:
-            self._notify_keys_stored(keys, sizes)
+            self._tell("stored", self._notify_keys_stored, keys, sizes)
             log.info("kvstore L2: found %d objects (%d bytes) from earlier runs", len(keys), sum(sizes))
 
     def list_l2_keys(

@@ -15,10 +15,11 @@ import itertools
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from kvstore.keys import namespace_prefix
 from kvstore.metrics_export import export_store, forget_store
@@ -29,6 +30,12 @@ log = logging.getLogger("kvstore.plugins")
 T = TypeVar("T")
 MAX_PARENTS = 1 << 16  # prompts' chunk parents remembered between a lookup and its store
 STOP_GRACE_S = 5.0  # how long a closing runtime lets its cancelled tasks end
+# What a coroutine handed to `StoreRuntime.submit` is, for `close`: a read (a lookup,
+# a load: cancelled at once, it completes as a miss), a write (waited for, up to the
+# write deadline: its bytes are worth keeping) or background work (a listing at start:
+# cancelled).  All of them end before the tiers close.
+Role = Literal["read", "write", "background"]
+ROLES: tuple[Role, ...] = ("read", "write", "background")
 
 
 @dataclass
@@ -77,19 +84,55 @@ class StoreRuntime:
         self._thread.start()
         self._lock = threading.Lock()
         self._stopping = False  # set (under `_lock`) once the loop is told to stop
+        # the coroutines handed to `submit`, by role (`close` finds their tasks)
+        self._roles: dict[Role, weakref.WeakSet[Coroutine[Any, Any, Any]]] = {r: weakref.WeakSet() for r in ROLES}
         self._inflight: dict[str, concurrent.futures.Future] = {}
         self.pending_bytes = 0
         self._closed = False
         self._parents: OrderedDict[str, str] = OrderedDict()
         try:
-            self.store = self.submit(self._open()).result(timeout=60)
+            self.store = self._submit_own(self._open()).result(timeout=60)
         except Exception as exc:
             self._stop()
             log.error("kvstore could not open its tiers %s: %s", cfg.describe()["tiers"], exc)
             raise
         self.metrics_label = export_store(self.store, name=name, plugin=self)  # docs/operations.md
         self.reuse = ReuseWatch(namespace=cfg.namespace)
-        self.submit(self._count_existing())
+        self.submit(self._count_existing(), "background")
+
+    async def _settle(self, write_wait_s: float) -> None:
+        """Close's first step, on the loop: end the work handed to `submit` before the
+        tiers close under it.  Reads and background work are cancelled (a read then
+        completes as a miss), writes get up to `write_wait_s` to finish, then are
+        cancelled too; all get `STOP_GRACE_S` to unwind."""
+        me = asyncio.current_task()
+        with self._lock:
+            coros = {r: set(self._roles[r]) for r in ROLES}
+        found: dict[Role, list[asyncio.Task[Any]]] = {r: [] for r in ROLES}
+        for task in asyncio.all_tasks():
+            if task is not me:
+                coro = task.get_coro()
+                for r in ROLES:
+                    if coro in coros[r]:
+                        found[r].append(task)
+        for task in found["read"] + found["background"]:
+            task.cancel()
+        if found["write"]:
+            _, late = await asyncio.wait(found["write"], timeout=write_wait_s)
+            for task in late:
+                log.warning("kvstore: a write was still running %.0fs into close; cancelled", write_wait_s)
+                task.cancel()
+        ending = [t for r in ROLES for t in found[r] if not t.done()]
+        if ending:
+            _, stuck = await asyncio.wait(ending, timeout=STOP_GRACE_S)
+            if stuck:
+                log.warning(
+                    "kvstore: %d task(s) did not end within %.0fs of being cancelled at close "
+                    "(a tier call that cannot be interrupted, e.g. a read stuck in the kernel); "
+                    "the tiers close under them",
+                    len(stuck),
+                    STOP_GRACE_S,
+                )
 
     async def _cancel_rest(self) -> None:
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -101,6 +144,13 @@ class StoreRuntime:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+        if asyncio.all_tasks(self.loop):  # a task that ignored its cancellation may still need it
+            return
+        try:  # give back the loop's selector, self-pipe and worker threads
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        finally:
+            self.loop.close()
 
     async def _open(self):
         store = self.cfg.build()
@@ -108,9 +158,19 @@ class StoreRuntime:
         return store
 
     # ------------------------------------------------------------- calling in
-    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run `coro` on the store's loop.  Once the loop is stopping (`close`), nothing
-        would ever run it: `coro` is closed unrun and `RuntimeError` raised."""
+    def submit(self, coro: Coroutine[Any, Any, T], role: Role = "read") -> concurrent.futures.Future[T]:
+        """Run `coro` on the store's loop (`role`: what `close` does with it if it is
+        still running then, see `Role`).  Once `close` began, `coro` is closed unrun and
+        `RuntimeError` raised."""
+        with self._lock:  # `close` sets the flag under it: nothing slips in after
+            if not self._closed:
+                self._roles[role].add(coro)
+                return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        coro.close()
+        raise RuntimeError("kvstore's store is closed: it takes no more work")
+
+    def _submit_own(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """The runtime's own steps (open, close): run until the loop stops."""
         with self._lock:  # `_stop` sets the flag under it: nothing slips in after the stop
             if not self._stopping:
                 return asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -147,7 +207,9 @@ class StoreRuntime:
             # miss.  The caller's own cancellation (or a Python that cannot tell them
             # apart: `Task.cancelling` is 3.11+) goes on up.
             cancelling = getattr(asyncio.current_task(), "cancelling", None)
-            if inner is None or not inner.cancelled() or cancelling is None or cancelling():
+            if inner is None or not inner.cancelled():
+                raise
+            if cancelling() if cancelling is not None else not self._closed:  # 3.10: closing tells
                 raise
             self.counters.errors += 1
             log.warning("kvstore: %s was cancelled (the store is closing); served as a miss", what)
@@ -178,7 +240,9 @@ class StoreRuntime:
         """`n` chunk names were looked up; warn once if a store of old chunks never serves one."""
         self.reuse.saw_lookups(n)
         if self.reuse.due():
-            self.loop.call_soon_threadsafe(self._check_reuse)
+            with self._lock:
+                if not self._stopping:  # a stopped loop may be closed
+                    self.loop.call_soon_threadsafe(self._check_reuse)
 
     def _check_reuse(self) -> None:
         st = self.store.stats()
@@ -246,7 +310,7 @@ class StoreRuntime:
         try:
             if closed:
                 raise RuntimeError("kvstore's store is closed")
-            inner = self.submit(self._guarded_put(make_coro, chosen))
+            inner = self.submit(self._guarded_put(make_coro, chosen), "write")
         except RuntimeError as exc:  # closed: nothing will write them; `done` releases them
             inner = concurrent.futures.Future()
             inner.set_exception(exc)
@@ -303,14 +367,22 @@ class StoreRuntime:
         }
 
     def close(self) -> None:
+        """Refuse new work; wait for the writes under way (up to the write deadline);
+        cancel the reads and background work still running and let them end; then close
+        the tiers and stop the loop."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.wait_writes(timeout=max(30.0, 6 * self.cfg.timeout_s))
+        write_wait_s = max(30.0, 6 * self.cfg.timeout_s)
+        self.wait_writes(timeout=write_wait_s)
+        try:
+            self._submit_own(self._settle(write_wait_s)).result(timeout=write_wait_s + STOP_GRACE_S + 5)
+        except Exception as exc:
+            log.warning("kvstore: ending the store's last tasks failed: %s", exc)
         forget_store(self.store)
         try:
-            self.submit(self.store.close()).result(timeout=30)
+            self._submit_own(self.store.close()).result(timeout=30)
         except Exception as exc:
             log.warning("kvstore: closing the store failed: %s", exc)
         self._stop()

@@ -487,3 +487,91 @@ def test_close_fails_a_load_stuck_on_a_tier_and_later_tasks_raise_nothing(make_a
     assert bm is not None and not bm.test(0)
     tid = ad.submit_store_task(keys[1:], [memory_obj(kv(1))])  # no OSError from a closed fd
     assert ad.pop_completed_store_tasks()[tid].is_successful() is False
+
+
+def test_a_listener_that_raises_fails_no_task(make_adapter):
+    """LMCache's listeners are told of stored and accessed keys; one that raises is
+    logged and counted, and the store and the load still complete with what they did."""
+    ad = make_adapter()
+
+    class Broken:
+        def on_l2_keys_stored(self, keys, sizes):
+            raise RuntimeError("listener bug")
+
+        def on_l2_keys_accessed(self, keys):
+            raise RuntimeError("listener bug")
+
+        def on_l2_keys_deleted(self, keys, sizes):
+            raise RuntimeError("listener bug")
+
+    ad.register_listener(Broken())
+    keys = [okey(i) for i in range(2)]
+    tensors = [kv(0), kv(1)]
+    assert store(ad, keys, tensors)
+    got = load(ad, keys)
+    assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors))
+    assert ad.counters.errors >= 2
+
+
+def test_a_task_that_raises_is_completed_as_failed(make_adapter):
+    """Whatever a task's coroutine raises past its own handling, LMCache's task is
+    completed (as failed) instead of waited on forever."""
+    ad = make_adapter()
+    refused = __import__("threading").Event()
+
+    async def broken() -> None:
+        raise KeyError("bug")
+
+    ad._start(broken(), refused.set)
+    assert refused.wait(10)
+    assert ad.counters.errors == 1
+
+
+def test_close_lets_a_store_under_way_finish_before_the_tiers_close(make_adapter):
+    """A store task still writing when the adapter closes is waited for: it completes as
+    stored, and the tiers close only after it ended."""
+    import asyncio
+
+    from kvstore_lmcache.l2_sync import memory_obj
+
+    ad = make_adapter()
+    store_ = ad.runtime.store
+    order: list[str] = []
+    put_many, close = store_.put_many, store_.close
+
+    async def slow_put(*a, **k):
+        await asyncio.sleep(0.5)
+        res = await put_many(*a, **k)
+        order.append("stored")
+        return res
+
+    async def closing():
+        order.append("closed")
+        await close()
+
+    with mock.patch.object(store_, "put_many", slow_put), mock.patch.object(store_, "close", closing):
+        tid = ad.submit_store_task([okey(1)], [memory_obj(kv(1))])
+        time.sleep(0.1)
+        ad.close()
+    assert order == ["stored", "closed"]
+    assert ad.pop_completed_store_tasks()[tid].is_successful()
+
+
+def test_closed_adapters_give_their_file_descriptors_back(make_adapter, tmp_path):
+    """LMCache may add and remove L2 adapters while it runs: each close gives back the
+    loop's and the tiers' descriptors."""
+    import gc
+    import os
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    make_adapter(tiers=["mem://fd-warm"]).close()
+    gc.collect()
+    before = open_fds()
+    for i in range(5):
+        ad = make_adapter(tiers=[f"mem://fd-{i}", f"file://{tmp_path}/fd-{i}"])
+        assert store(ad, [okey(i)], [kv(i)])
+        ad.close()
+    gc.collect()
+    assert open_fds() <= before + 1
