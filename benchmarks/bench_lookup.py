@@ -18,8 +18,11 @@ By default both engines live in this process, as they did in every figure before
 2026-11-28: each engine's threads (LMCache's, kvstore's loop and file watch) then run
 beside the other's lookups too.  ``--processes`` gives each engine a process of its own,
 as a server has, and drives the two in turn over pipes, in the same alternating order.
+The two processes are pinned to one CPU (`--cpu`, default 0; -1: not pinned): on these
+VMs one virtual CPU can run 1.6x slower than the other for minutes, which unpinned
+processes turned into a ratio of the CPUs rather than of the lookups.
 
-Usage: ``python benchmarks/bench_lookup.py [--chunks 8] [--rounds 9] [--lookups 200] [--processes]``.
+Usage: ``python benchmarks/bench_lookup.py [--chunks 8] [--rounds 9] [--lookups 200] [--processes [--cpu 0]]``.
 """
 
 from __future__ import annotations
@@ -95,8 +98,10 @@ def checked(name: str, kind: str, want: int, eng, tokens: list[torch.Tensor]) ->
     return med
 
 
-def child(name: str, chunks: int, lookups: int) -> None:
+def child(name: str, chunks: int, lookups: int, cpu: int) -> None:
     """--processes: one engine; answers "kind" lines on stdin with the median lookup time."""
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})  # before any thread starts: they all inherit it
     torch.set_num_threads(1)
     ntok = chunks * 256
     want = {"hit": ntok, "miss": 0, "half": ntok // 2}
@@ -113,14 +118,15 @@ def child(name: str, chunks: int, lookups: int) -> None:
 
 
 def main() -> None:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", type=int, default=8, help="chunks of 256 tokens per prompt")
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--lookups", type=int, default=200, help="lookups of each kind per round and engine")
     ap.add_argument("--processes", action="store_true", help="each engine in a process of its own")
+    ap.add_argument("--cpu", type=int, default=0, help="with --processes: the CPU both processes run on (-1: any)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ntok = args.chunks * 256
@@ -129,7 +135,7 @@ def main() -> None:
     if args.processes:
         procs = {
             name: subprocess.Popen(
-                [sys.executable, __file__, "--child", name, str(args.chunks), str(args.lookups)],
+                [sys.executable, __file__, "--child", name, str(args.chunks), str(args.lookups), str(args.cpu)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL,
@@ -180,7 +186,8 @@ def main() -> None:
             finally:
                 for r, _ in built:
                     r.close()
-    where = "each engine in its own process" if args.processes else "both engines in this process"
+    pinned = f", both on CPU {args.cpu}" if args.cpu >= 0 else ""
+    where = f"each engine in its own process{pinned}" if args.processes else "both engines in this process"
     print(
         f"engine.lookup of {args.chunks}-chunk prompts, {args.lookups} per kind, engine and round, "
         f"{args.rounds} rounds, {where}"
