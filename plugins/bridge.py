@@ -78,7 +78,10 @@ class InProcessBridge:
         return names, 0, None if rest is None else 1 + rest
 
     def lookup(self, keys: Sequence[CacheEngineKey]) -> int:
-        """How many leading chunks are held (blocking, within the deadline)."""
+        """How many leading chunks are held (blocking, within the deadline); none once the
+        store is closing (its reads would miss)."""
+        if self.runtime.closed:
+            return 0
         names, n, known = self._lookup_now(keys)
         n += known if known is not None else self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
         self.runtime.note_lookup(names, n, len(keys))
@@ -86,6 +89,8 @@ class InProcessBridge:
 
     async def alookup(self, keys: Sequence[CacheEngineKey]) -> int:
         """`lookup` for a caller on LMCache's event loop."""
+        if self.runtime.closed:
+            return 0
         names, n, known = self._lookup_now(keys)
         n += known if known is not None else await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
         self.runtime.note_lookup(names, n, len(keys))

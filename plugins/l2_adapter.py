@@ -621,11 +621,14 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # --------------------------------------------------------------------- close
     def close(self) -> None:
-        if self._closed:
-            return
+        """Take no more tasks, end the ones under way (`StoreRuntime.close`: stores
+        finish, lookups and loads complete as misses), then close the event fds.  A
+        second caller returns once the first's close is done."""
         self._closed = True
         self.runtime.close()
         with self._lock:  # a task refused or ending now must not notify a closed fd
+            if self._efds_closed:
+                return
             self._efds_closed = True
             for efd in (self._store_efd, self._lookup_efd, self._load_efd):
                 efd.close()

@@ -15,7 +15,6 @@ import itertools
 import logging
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
@@ -84,8 +83,10 @@ class StoreRuntime:
         self._thread.start()
         self._lock = threading.Lock()
         self._stopping = False  # set (under `_lock`) once the loop is told to stop
-        # the coroutines handed to `submit`, by role (`close` finds their tasks)
-        self._roles: dict[Role, weakref.WeakSet[Coroutine[Any, Any, Any]]] = {r: weakref.WeakSet() for r in ROLES}
+        # the coroutines handed to `submit` and not yet ended, by role (`close` finds their tasks)
+        self._roles: dict[Role, set[Coroutine[Any, Any, Any]]] = {r: set() for r in ROLES}
+        self._cancelled: set[object] = set()  # coroutines `close` cancelled (not their callers)
+        self._close_done = threading.Event()
         self._inflight: dict[str, concurrent.futures.Future] = {}
         self.pending_bytes = 0
         self._closed = False
@@ -116,12 +117,12 @@ class StoreRuntime:
                     if coro in coros[r]:
                         found[r].append(task)
         for task in found["read"] + found["background"]:
-            task.cancel()
+            self._cancel(task)
         if found["write"]:
             _, late = await asyncio.wait(found["write"], timeout=write_wait_s)
             for task in late:
                 log.warning("kvstore: a write was still running %.0fs into close; cancelled", write_wait_s)
-                task.cancel()
+                self._cancel(task)
         ending = [t for r in ROLES for t in found[r] if not t.done()]
         if ending:
             _, stuck = await asyncio.wait(ending, timeout=STOP_GRACE_S)
@@ -134,10 +135,15 @@ class StoreRuntime:
                     STOP_GRACE_S,
                 )
 
+    def _cancel(self, task: asyncio.Task[Any]) -> None:
+        with self._lock:
+            self._cancelled.add(task.get_coro())
+        task.cancel()
+
     async def _cancel_rest(self) -> None:
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         for t in rest:
-            t.cancel()
+            self._cancel(t)
         if rest:
             await asyncio.wait(rest, timeout=STOP_GRACE_S)
 
@@ -146,11 +152,10 @@ class StoreRuntime:
         self.loop.run_forever()
         if asyncio.all_tasks(self.loop):  # a task that ignored its cancellation may still need it
             return
-        try:  # give back the loop's selector, self-pipe and worker threads
+        try:  # give back the loop's selector and self-pipe; its worker threads end when idle
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.run_until_complete(self.loop.shutdown_default_executor())
         finally:
-            self.loop.close()
+            self.loop.close()  # shuts the executor down without waiting on a stuck worker
 
     async def _open(self):
         store = self.cfg.build()
@@ -165,9 +170,18 @@ class StoreRuntime:
         with self._lock:  # `close` sets the flag under it: nothing slips in after
             if not self._closed:
                 self._roles[role].add(coro)
-                return asyncio.run_coroutine_threadsafe(coro, self.loop)
-        coro.close()
-        raise RuntimeError("kvstore's store is closed: it takes no more work")
+                fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            else:
+                fut = None
+        if fut is None:
+            coro.close()
+            raise RuntimeError("kvstore's store is closed: it takes no more work")
+        fut.add_done_callback(lambda _: self._ended(role, coro))  # outside the lock: may run here
+        return fut
+
+    def _ended(self, role: Role, coro: Coroutine[Any, Any, Any]) -> None:
+        with self._lock:
+            self._roles[role].discard(coro)
 
     def _submit_own(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """The runtime's own steps (open, close): run until the loop stops."""
@@ -209,7 +223,7 @@ class StoreRuntime:
             cancelling = getattr(asyncio.current_task(), "cancelling", None)
             if inner is None or not inner.cancelled():
                 raise
-            if cancelling() if cancelling is not None else not self._closed:  # 3.10: closing tells
+            if cancelling() if cancelling is not None else coro not in self._cancelled:  # 3.10
                 raise
             self.counters.errors += 1
             log.warning("kvstore: %s was cancelled (the store is closing); served as a miss", what)
@@ -366,14 +380,31 @@ class StoreRuntime:
             "store": asdict(st) if hasattr(st, "__dataclass_fields__") else st,
         }
 
+    @property
+    def closed(self) -> bool:
+        """`close` began: no more work is taken."""
+        return self._closed
+
     def close(self) -> None:
         """Refuse new work; wait for the writes under way (up to the write deadline);
         cancel the reads and background work still running and let them end; then close
-        the tiers and stop the loop."""
+        the tiers and stop the loop.  A second caller waits for the first's close; on
+        the loop's own thread (a callback), the close runs on a thread of its own."""
+        if threading.current_thread() is self._thread:
+            threading.Thread(target=self.close, name="kvstore-close", daemon=True).start()
+            return
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
+        if not first:
+            self._close_done.wait()
+            return
+        try:
+            self._close()
+        finally:
+            self._close_done.set()
+
+    def _close(self) -> None:
         write_wait_s = max(30.0, 6 * self.cfg.timeout_s)
         self.wait_writes(timeout=write_wait_s)
         try:
@@ -389,7 +420,7 @@ class StoreRuntime:
 
     def _stop(self) -> None:
         with self._lock:
-            self._stopping = True  # from here `submit` refuses
+            self._stopping = True  # from here `_submit_own` refuses too
         # Tasks still running (a read stuck on a slow tier) or not yet started are
         # cancelled and given a moment to end, so whoever waits on one hears it failed.
         try:

@@ -477,12 +477,20 @@ def test_close_fails_a_load_stuck_on_a_tier_and_later_tasks_raise_nothing(make_a
         started.set()
         await asyncio.Event().wait()
 
-    with mock.patch.object(ad.runtime.store, "get_many", stuck):
+    published_at_close: list[bool] = []
+    close = ad.runtime.store.close
+
+    async def closing():  # the tiers close only after the stuck load was completed
+        published_at_close.append(tid in ad._done_loads)
+        await close()
+
+    with mock.patch.object(ad.runtime.store, "get_many", stuck), mock.patch.object(ad.runtime.store, "close", closing):
         tid = ad.submit_load_task(keys[:1], [memory_obj(torch.zeros(SHAPE, dtype=torch.bfloat16))])
         assert started.wait(10)
         t0 = time.monotonic()
         ad.close()
         assert time.monotonic() - t0 < 20
+    assert published_at_close == [True]
     bm = ad.query_load_result(tid)
     assert bm is not None and not bm.test(0)
     tid = ad.submit_store_task(keys[1:], [memory_obj(kv(1))])  # no OSError from a closed fd

@@ -63,3 +63,76 @@ def test_a_read_the_closing_runtime_cancels_is_a_miss_on_the_callers_loop() -> N
     assert asyncio.run(asyncio.wait_for(caller(), 30)) == [False]
     closer.join(30)
     assert rt.counters.errors == 1
+
+
+def test_close_from_a_callback_on_the_loop_does_not_block_it() -> None:
+    """A done-callback runs on the store's loop thread; a close called there is handed to
+    a thread of its own instead of waiting on the loop it runs on."""
+    import threading
+    import time
+
+    rt = StoreRuntime(StoreConfig.from_mapping({"kvstore.tiers": "mem://close-cb"}), name="kvstore-plugin")
+    returned = threading.Event()
+
+    def on_done(_f) -> None:
+        rt.close()
+        returned.set()
+
+    async def nothing() -> None:
+        return None
+
+    rt.submit(nothing()).add_done_callback(on_done)
+    assert returned.wait(5)
+    deadline = time.monotonic() + 30
+    while not rt._close_done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rt._close_done.is_set() and not rt._thread.is_alive()
+
+
+def test_two_closes_at_once_both_return_after_the_close() -> None:
+    import threading
+
+    rt = StoreRuntime(StoreConfig.from_mapping({"kvstore.tiers": "mem://close-twice"}), name="kvstore-plugin")
+    closers = [threading.Thread(target=rt.close) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(30)
+        assert not t.is_alive()
+    assert rt._close_done.is_set() and not rt._thread.is_alive() and rt.loop.is_closed()
+
+
+def test_a_closing_plugin_finds_nothing() -> None:
+    """Once close began (here: waiting for a write to end), lookups answer 0: the reads
+    that would follow are refused, so a hit would be a miss LMCache did not plan for."""
+    import asyncio
+    import threading
+    import time
+
+    from lmcache.utils import CacheEngineKey
+
+    from kvstore_lmcache.bridge import InProcessBridge
+
+    rt = StoreRuntime(StoreConfig.from_mapping({"kvstore.tiers": "mem://close-lookup"}), name="kvstore-plugin")
+    bridge = InProcessBridge(rt, None, count_inflight=True)
+    key = CacheEngineKey("m", 1, 0, 12345, torch.bfloat16)
+    name = bridge.names([key])[0]
+    assert rt.submit(rt.store.put_many([(name, torch.ones(64, dtype=torch.uint8))])).result(10) == [True]
+    assert bridge.lookup([key]) == 1
+    release = threading.Event()
+
+    async def slow_write() -> None:
+        while not release.is_set():
+            await asyncio.sleep(0.01)
+
+    rt.submit(slow_write(), "write")
+    closer = threading.Thread(target=rt.close)
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not rt.closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert rt.closed and closer.is_alive()  # closing: waiting for the write
+    assert bridge.lookup([key]) == 0
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive()
