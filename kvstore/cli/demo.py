@@ -16,8 +16,9 @@ from kvstore.store_config import StoreConfigError, TierConfig
 
 
 def _render(rep) -> None:
+    moved = {"shm": "KV to the worker through /dev/shm"}.get(rep.transfer, "KV to the worker inside the requests")
     how = (
-        "LMCache MP server, kvstore as its L2 adapter"
+        f"LMCache MP server, kvstore as its L2 adapter, {moved}"
         if rep.path == "mp"
         else f"LMCache engine in-process ({rep.path} path, {'async' if rep.async_loading else 'sync'} loading)"
     )

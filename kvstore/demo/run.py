@@ -66,6 +66,8 @@ class DemoReport:
     passes: list[PassReport]
     continuations: list[str]
     model_load_s: float
+    # MP path: how KV moved between worker and server ("shm", or "pickle"/"inline": in the requests)
+    transfer: str = ""
 
     def to_dict(self) -> dict:
         d = asdict(self)

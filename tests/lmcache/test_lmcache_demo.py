@@ -29,6 +29,10 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch, pat
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output[res.output.index("{") :])
     assert rep["path"] == path
+    if path == "mp":  # through /dev/shm where it has room for the server's L1, else in the requests
+        from kvstore.demo.mp import L1_SIZE_GB, shm_segment
+
+        assert rep["transfer"] == ("shm" if shm_segment(L1_SIZE_GB, "t") else "pickle")
     first, second = rep["passes"][0], rep["passes"][1]
     assert first["hit_tokens"] == 0
     p = second["prompts"][0]
@@ -42,3 +46,22 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch, pat
     assert list(cold["tokens_by_tier"]) == ["1:file(cachegen?profile=smollm2-135m-mixq)"]
     assert sum(cold["bytes_by_tier"].values()) * 4 < sum(p["bytes_by_tier"].values()), "stored compressed"
     assert cold["agreement"] >= 0.5, "the calibrated profile keeps the continuation close"
+
+
+def test_the_demo_moves_kv_in_the_requests_where_dev_shm_is_small(monkeypatch):
+    """A container's default /dev/shm (64 MiB) cannot hold the server's L1 pool: the
+    demo then sends the KV inside the requests instead of failing to start the server."""
+    import os
+
+    from kvstore.demo.mp import L1_SIZE_GB, shm_segment
+
+    class Fs:
+        f_frsize = 4096
+
+        def __init__(self, nbytes: int) -> None:
+            self.f_bavail = nbytes // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Fs(64 * 2**20))
+    assert shm_segment(L1_SIZE_GB, "1") == ""
+    monkeypatch.setattr(os, "statvfs", lambda path: Fs(8 * 2**30))
+    assert shm_segment(L1_SIZE_GB, "1").startswith("kvstore-demo-")
