@@ -168,6 +168,8 @@ class ObjectWatch:
                 with os.scandir(folder) as entries:
                     names.update(e.name for e in entries if "." not in e.name and not e.is_dir(follow_symlinks=False))
                 with self._lock:
+                    if self._fd < 0:  # closed (or failed) meanwhile: stop listing
+                        return
                     self._read()  # into `_pending`: the queue must not fill while this lists
                 if len(names) > MAX_NAMES:
                     self.fail(f"more than {MAX_NAMES} objects to keep in memory")
