@@ -16,6 +16,7 @@ several times slower for the demo's 34 MiB prompts).  The report names which.
 from __future__ import annotations
 
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable
@@ -71,7 +72,7 @@ def shm_segment(l1_size_gb: float, tag: str) -> str:
         return ""
     if st.f_bavail * st.f_frsize < l1_size_gb * 2**30 + SHM_HEADROOM:
         return ""
-    return f"kvstore-demo-{os.getpid()}-{tag}"
+    return f"kvstore-demo-{os.getpid()}-{tag}-{secrets.token_hex(4)}"  # LMCache replaces a same-named pool
 
 
 def run_demo_mp(

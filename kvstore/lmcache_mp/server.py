@@ -219,6 +219,9 @@ class MPServer:
                 if not lost_port or self._fixed_port or attempt == 3:
                     raise
                 self.port = free_port(self.host)
+            except BaseException:  # Ctrl-C mid-start: no orphaned server, no pool left in /dev/shm
+                self.kill()
+                raise
         raise MPServerError(f"MP server did not start in {attempt + 1} attempts\n{self.log_tail()}")
 
     def _spawn_and_wait(self) -> None:

@@ -30,9 +30,7 @@ def test_demo_loads_kv_back_and_continues_identically(tmp_path, monkeypatch, pat
     rep = json.loads(res.output[res.output.index("{") :])
     assert rep["path"] == path
     if path == "mp":  # through /dev/shm where it has room for the server's L1, else in the requests
-        from kvstore.demo.mp import L1_SIZE_GB, shm_segment
-
-        assert rep["transfer"] == ("shm" if shm_segment(L1_SIZE_GB, "t") else "pickle")
+        assert set(rep["transfer"].split("/")) <= {"shm", "pickle", "inline"}, rep["transfer"]
     first, second = rep["passes"][0], rep["passes"][1]
     assert first["hit_tokens"] == 0
     p = second["prompts"][0]
