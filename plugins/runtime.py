@@ -34,7 +34,6 @@ STOP_GRACE_S = 5.0  # how long a closing runtime lets its cancelled tasks end
 # write deadline: its bytes are worth keeping) or background work (a listing at start:
 # cancelled).  All of them end before the tiers close.
 Role = Literal["read", "write", "background"]
-ROLES: tuple[Role, ...] = ("read", "write", "background")
 
 
 @dataclass
@@ -83,8 +82,8 @@ class StoreRuntime:
         self._thread.start()
         self._lock = threading.Lock()
         self._stopping = False  # set (under `_lock`) once the loop is told to stop
-        # the coroutines handed to `submit` and not yet ended, by role (`close` finds their tasks)
-        self._roles: dict[Role, set[Coroutine[Any, Any, Any]]] = {r: set() for r in ROLES}
+        # the role of each coroutine handed to `submit` and not yet ended (`close` finds their tasks)
+        self._roles: dict[object, Role] = {}
         self._cancelled: set[object] = set()  # coroutines `close` cancelled (not their callers)
         self._close_done = threading.Event()
         self._inflight: dict[str, concurrent.futures.Future] = {}
@@ -106,24 +105,19 @@ class StoreRuntime:
         tiers close under it.  Reads and background work are cancelled (a read then
         completes as a miss), writes get up to `write_wait_s` to finish, then are
         cancelled too; all get `STOP_GRACE_S` to unwind."""
-        me = asyncio.current_task()
         with self._lock:
-            coros = {r: set(self._roles[r]) for r in ROLES}
-        found: dict[Role, list[asyncio.Task[Any]]] = {r: [] for r in ROLES}
-        for task in asyncio.all_tasks():
-            if task is not me:
-                coro = task.get_coro()
-                for r in ROLES:
-                    if coro in coros[r]:
-                        found[r].append(task)
-        for task in found["read"] + found["background"]:
-            self._cancel(task)
-        if found["write"]:
-            _, late = await asyncio.wait(found["write"], timeout=write_wait_s)
+            roles = dict(self._roles)
+        tasks = [t for t in asyncio.all_tasks() if t.get_coro() in roles]
+        writes = [t for t in tasks if roles[t.get_coro()] == "write"]
+        for task in tasks:
+            if task not in writes:
+                self._cancel(task)
+        if writes:
+            _, late = await asyncio.wait(writes, timeout=write_wait_s)
             for task in late:
                 log.warning("kvstore: a write was still running %.0fs into close; cancelled", write_wait_s)
                 self._cancel(task)
-        ending = [t for r in ROLES for t in found[r] if not t.done()]
+        ending = [t for t in tasks if not t.done()]
         if ending:
             _, stuck = await asyncio.wait(ending, timeout=STOP_GRACE_S)
             if stuck:
@@ -169,19 +163,19 @@ class StoreRuntime:
         `RuntimeError` raised."""
         with self._lock:  # `close` sets the flag under it: nothing slips in after
             if not self._closed:
-                self._roles[role].add(coro)
+                self._roles[coro] = role
                 fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
             else:
                 fut = None
         if fut is None:
             coro.close()
             raise RuntimeError("kvstore's store is closed: it takes no more work")
-        fut.add_done_callback(lambda _: self._ended(role, coro))  # outside the lock: may run here
+        fut.add_done_callback(lambda _: self._ended(coro))  # outside the lock: may run here
         return fut
 
-    def _ended(self, role: Role, coro: Coroutine[Any, Any, Any]) -> None:
+    def _ended(self, coro: Coroutine[Any, Any, Any]) -> None:
         with self._lock:
-            self._roles[role].discard(coro)
+            self._roles.pop(coro, None)
 
     def _submit_own(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """The runtime's own steps (open, close): run until the loop stops."""
@@ -406,8 +400,7 @@ class StoreRuntime:
 
     def _close(self) -> None:
         write_wait_s = max(30.0, 6 * self.cfg.timeout_s)
-        self.wait_writes(timeout=write_wait_s)
-        try:
+        try:  # the writes (this process's puts included) finish, the rest is cancelled
             self._submit_own(self._settle(write_wait_s)).result(timeout=write_wait_s + STOP_GRACE_S + 5)
         except Exception as exc:
             log.warning("kvstore: ending the store's last tasks failed: %s", exc)
