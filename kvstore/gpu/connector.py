@@ -34,6 +34,7 @@ Must not touch: index arithmetic (kvstore.gpu.layout), storage, policy.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,15 @@ class _Piece:
     nbytes: int
     shape: torch.Size
     dtype: torch.dtype | None
+
+
+@dataclass(frozen=True)
+class _PrimedRows:
+    """A load's row indices made at its generator's first step, and (CUDA) the event
+    after them on the stream that made them."""
+
+    rows: torch.Tensor
+    made: torch.cuda.Event | None
 
 
 def _kept_slots(
@@ -441,9 +451,8 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                     copier, memory_objs, tensors, starts, ends, slot_mapping, sync
                 )
                 return
-        first = [self._tensor(o) for o in memory_objs[0]] if memory_objs else []
-        if self._takes_pipeline(first):
-            yield from self._pipelined_from_gpu(paged, memory_objs, first, starts, ends, slot_mapping, sync)
+        if memory_objs and self._takes_pipeline(memory_objs[0]):
+            yield from self._pipelined_from_gpu(paged, memory_objs, starts, ends, slot_mapping, sync)
             return
         k = paged.layout.kv_size
         spans = self._spans([e - s for s, e in zip(starts, ends, strict=True)])
@@ -486,17 +495,35 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         batch.release()
         yield
 
-    def _takes_pipeline(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether a request whose first layer's objects are ``tensors`` takes the
+    def _primed_rows(
+        self,
+        paged: PagedKVCache,
+        slot_mapping: torch.Tensor,
+        starts: Sequence[int],
+        ends: Sequence[int],
+        skips: Sequence[int],
+    ) -> _PrimedRows:
+        rows = paged.layer_rows(_kept_slots(slot_mapping, starts, ends, skips))
+        made = None
+        if self.load_kernels.stream is not None:
+            made = torch.cuda.Event()
+            made.record()  # (the caller's stream may differ when the first objects come)
+        return _PrimedRows(rows, made)
+
+    def _may_take_pipeline(self) -> bool:
+        """Whether a request may take the two-stream pipeline, before its objects are
+        seen (the row copy, when asked for, may take it instead)."""
+        if self.stage_all or self.row_copy or self.pipeline is False:
+            return False
+        return self.pipeline is True or self.store_copies.is_async
+
+    def _takes_pipeline(self, objs: Sequence[MemoryObj]) -> bool:
+        """Whether a request whose first layer's objects are ``objs`` takes the
         two-stream pipeline (decided once per request, from its first layer)."""
         if self.pipeline is not None:
             wanted = self.pipeline and not self.stage_all
         else:
-            wanted = (
-                self.store_copies.is_async
-                and not self.stage_all
-                and all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
-            )
+            wanted = self.store_copies.is_async and not self.stage_all and self._pinned_host(objs)
         if wanted and self.store_copies.is_async and self._driver() is None:
             if not self._warned_no_driver:
                 self._warned_no_driver = True
@@ -534,17 +561,19 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         skips: Sequence[int],
         *,
         store: bool,
+        rows: torch.Tensor | None = None,
     ) -> LayerPipeline:
         """One request's pipeline over the tokens it moves (``skips`` of each chunk stay).
-        A store's rows are made now (its first gather needs them); a load's when its
-        first scatter does, after its first copies are queued."""
+        ``rows``: its row indices when made already (a load's, at the generator's first
+        step); else a store's are made now (its first gather needs them), a load's when
+        its first scatter does, after its first copies are queued."""
 
-        def rows() -> torch.Tensor:
+        def make_rows() -> torch.Tensor:
             return paged.layer_rows(_kept_slots(slot_mapping, starts, ends, skips))
 
         pipe = LayerPipeline(
             paged,
-            rows() if store else rows,
+            rows if rows is not None else make_rows() if store else make_rows,
             self._spans([e - s - skip for s, e, skip in zip(starts, ends, skips, strict=True)]),
             copies=self.store_copies if store else self.load_copies,
             kernels=self.store_kernels if store else self.load_kernels,
@@ -557,23 +586,41 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         return pipe
 
     @staticmethod
+    def _pinned_host(objs: Sequence[MemoryObj]) -> bool:
+        """Whether every object's memory is page-locked host memory (LMCache's pool),
+        asked of each object's raw buffer: a view of it costs a request's first layer
+        ~6 us an object, several times that inside a pass."""
+        for obj in objs:
+            raw = obj.raw_tensor  # (None when the object was invalidated)
+            if raw is None or raw.device.type != "cpu" or not raw.is_pinned():
+                return False
+        return True
+
+    @staticmethod
     def _pieces(
-        objs: Sequence[MemoryObj], tensors: Sequence[torch.Tensor], pipe: LayerPipeline, dtype: torch.dtype
+        objs: Sequence[MemoryObj], skips: Sequence[int], pipe: LayerPipeline, dtype: torch.dtype
     ) -> list[_Piece]:
-        """Each chunk's piece, from the first layer's objects and the part of each
-        object's tensor that moves (``tensors``): the bytes the pipeline expects, in the
-        caches' dtype, contiguous."""
+        """Each chunk's piece, from the first layer's objects: the rows after the
+        ``skips`` first (tokens already in vLLM's cache), which must be the bytes the
+        pipeline expects, in the caches' dtype. Worked out from each object's shape and
+        dtype: the tensor LMCache makes of an object is a contiguous view of its buffer
+        from the start, so row ``skip`` lies ``skip`` rows' bytes in. ``_addresses``
+        checks each object's size, validity and format before any byte moves."""
         pieces = []
-        for obj, t, n in zip(objs, tensors, pipe.chunk_bytes, strict=True):
-            have = t.numel() * t.element_size()
-            if have != n or t.dtype != dtype or (n and not t.is_contiguous()):
-                raise ValueError(
-                    f"memory object holds {tuple(t.shape)} {t.dtype} ({have} bytes) where this "
-                    f"request's chunk needs {n} bytes of {dtype}: allocate objects with the "
-                    "connector's get_shape() and the caches' dtype"
-                )
+        for obj, skip, n in zip(objs, skips, pipe.chunk_bytes, strict=True):
             meta = obj.metadata
-            pieces.append(_Piece(t.data_ptr() - obj.data_ptr if n else 0, n, meta.shape, meta.dtype))
+            shape, have_dtype = meta.shape, meta.dtype
+            if have_dtype is None or not shape:
+                raise ValueError("memory object has no tensor shape (it is a byte buffer)")
+            row = math.prod(shape[1:]) * have_dtype.itemsize
+            have = max(0, shape[0] - skip) * row
+            if have != n or have_dtype != dtype:
+                raise ValueError(
+                    f"memory object holds {tuple(shape)} {have_dtype} ({have} bytes after {skip} "
+                    f"cached tokens) where this request's chunk needs {n} bytes of {dtype}: "
+                    "allocate objects with the connector's get_shape() and the caches' dtype"
+                )
+            pieces.append(_Piece(skip * row if n else 0, n, shape, have_dtype))
         return pieces
 
     @staticmethod
@@ -612,7 +659,6 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         self,
         paged: PagedKVCache,
         memory_objs: Sequence[Sequence[MemoryObj]],
-        first: list[torch.Tensor],
         starts: Sequence[int],
         ends: Sequence[int],
         slot_mapping: torch.Tensor,
@@ -620,8 +666,9 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
     ) -> Generator[None, None, None]:
         """Layerwise store through :class:`LayerPipeline`: layer i is queued before layer
         i - 1 is waited for, and its gather overlaps layer i - 1's copies."""
-        pipe = self._pipeline(paged, slot_mapping, starts, ends, [0] * len(starts), store=True)
-        pieces = self._pieces(memory_objs[0], first, pipe, paged.dtype)
+        no_skips = [0] * len(starts)
+        pipe = self._pipeline(paged, slot_mapping, starts, ends, no_skips, store=True)
+        pieces = self._pieces(memory_objs[0], no_skips, pipe, paged.dtype)
 
         def queue(layer: int, objs: Sequence[MemoryObj]) -> torch.cuda.Event | None:
             return pipe.store_layer(layer, self._addresses(layer, objs, pieces, None))
@@ -679,8 +726,9 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
                     batch.to_device(src, scratch[a:b])
             paged.scatter_layer(layer, rows, scratch)
 
-    def _sent(self, layer: int, objs: Sequence[MemoryObj] | None, chunks: int) -> list[torch.Tensor]:
-        """The tensors of the memory objects sent for ``layer``, checked."""
+    def _sent(self, layer: int, objs: Sequence[MemoryObj] | None, chunks: int) -> Sequence[MemoryObj]:
+        """The memory objects sent for ``layer``, checked: one per chunk, each in this
+        connector's format."""
         if objs is None or len(objs) != chunks:
             raise ValueError(
                 f"layer {layer}: send() {chunks} memory objects (one per chunk), got "
@@ -688,7 +736,7 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             )
         for obj in objs:
             self._check_fmt(obj, self._fmt)
-        return [self._tensor(obj) for obj in objs]
+        return objs
 
     def _hold_while_read(self, objs: Sequence[MemoryObj], held: list[MemoryObj]) -> None:
         """Take a reference to each of ``objs`` (appended to ``held``) while queued copies
@@ -702,18 +750,23 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         self,
         paged: PagedKVCache,
         objs: Sequence[MemoryObj],
-        full: list[torch.Tensor],
         starts: Sequence[int],
         ends: Sequence[int],
         skips: Sequence[int],
         slot_mapping: torch.Tensor,
         sync: bool,
+        primed: _PrimedRows | None,
     ) -> Generator[None, Any, None]:
         """Layerwise load through :class:`LayerPipeline`, from the first layer's objects
-        on: layer i's copies overlap layer i - 1's scatter."""
-        pipe = self._pipeline(paged, slot_mapping, starts, ends, skips, store=False)
-        moved = [t[skip:] if skip else t for t, skip in zip(full, skips, strict=True)]
-        pieces = self._pieces(objs, moved, pipe, paged.dtype)
+        on: layer i's copies overlap layer i - 1's scatter. ``primed``: the request's row
+        indices if made at the generator's first step."""
+        rows = None
+        if primed is not None:
+            rows = primed.rows
+            if primed.made is not None and self.load_kernels.stream is not None:
+                self.load_kernels.stream.wait_event(primed.made)
+        pipe = self._pipeline(paged, slot_mapping, starts, ends, skips, store=False, rows=rows)
+        pieces = self._pieces(objs, skips, pipe, paged.dtype)
         fmt = self._fmt
         held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
         last = paged.num_layers - 1
@@ -753,12 +806,17 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         rows: torch.Tensor | None = None  # gather/scatter path: token-major rows, made once
         batch = self._batch(self.load_copies)
         held: list[MemoryObj] = []  # objects whose host memory a queued copy still reads
+        # LMCache's engine takes this first step before it fetches the first layer's
+        # objects from storage: a request the pipeline may take makes its row indices
+        # now (on the caller's stream), so they are off the path of its first copies.
+        primed = self._primed_rows(paged, slot_mapping, starts, ends, skips) if self._may_take_pipeline() else None
         for layer in range(paged.num_layers):
-            objs = yield
-            full = self._sent(layer, objs, len(spans))
-            if layer == 0 and self._takes_pipeline(full):
-                yield from self._pipelined_to_gpu(paged, objs, full, starts, ends, skips, slot_mapping, sync)
+            objs = self._sent(layer, (yield), len(spans))
+            if layer == 0 and self._takes_pipeline(objs):
+                yield from self._pipelined_to_gpu(paged, objs, starts, ends, skips, slot_mapping, sync, primed)
                 return
+            primed = None
+            full = [self._tensor(obj) for obj in objs]
             if sync:
                 self._caller_waits_for_loads()  # compute on layer-1 sees its KV
             copier = self._copier_for(paged, full, layerwise=True)

@@ -28,8 +28,8 @@ events are made). Each queued layer takes the direction's next buffer ``b`` in t
   its object; ``done[i]`` and ``free[b]`` mark the copies.
 * load, layer i: the copy stream waits for ``free[b]``, the last scatter queued out of
   buffer ``b`` (by any request), and copies each object into it; the kernel stream waits
-  for those copies (and, at the first scatter, for the row indices, made on the
-  caller's stream after the first copies were queued) and scatters; ``done[i]`` and
+  for those copies (and, at the first scatter, for the row indices when they are
+  made lazily, on the caller's stream after the first copies were queued) and scatters; ``done[i]`` and
   ``free[b]`` mark the scatter. The caller's stream waits for ``done[i]`` before it
   computes layer i.
 

@@ -246,6 +246,38 @@ def test_pipeline_refuses_a_later_layer_object_unlike_the_first():
     assert torch.equal(bad.tensor, before)
 
 
+def test_pipeline_refuses_first_layer_objects_unlike_the_chunks():
+    """The pipeline sizes every copy from the first layer's objects (their shape and
+    dtype, no tensor view): a first-layer object too short for its chunk, of another
+    dtype, or invalidated is refused before any byte moves, in either direction."""
+    caches, slots, starts, ends = _sequence("flash_attn", seed=13)
+    dtype = caches[0].dtype
+    store = LayerwisePagedKVConnector(caches)
+    objs = _layer_objs(store, starts, ends, dtype)
+    for _ in store.batched_from_gpu(objs, starts, ends, slot_mapping=slots):
+        pass
+    n = ends[0] - starts[0]
+    short = ALLOC.allocate(store.get_shape(n - 1), dtype, fmt=MemoryFormat.KV_T2D)
+    same_width = {4: torch.int32, 2: torch.int16}[dtype.itemsize]  # the right bytes, another dtype
+    other_dtype = ALLOC.allocate(store.get_shape(n), same_width, fmt=MemoryFormat.KV_T2D)
+    gone = ALLOC.allocate(store.get_shape(n), dtype, fmt=MemoryFormat.KV_T2D)
+    gone.invalidate()
+    fresh = make_caches("flash_attn", fill="zeros")
+    for bad, match in ((short, "allocate objects"), (other_dtype, "allocate objects"), (gone, "valid: False|invalidated")):
+        gen = LayerwisePagedKVConnector(fresh, pipeline=True).batched_to_gpu(starts, ends, slot_mapping=slots)
+        next(gen)
+        with pytest.raises(ValueError, match=match):
+            gen.send([bad, *objs[0][1:]])
+        layers = [list(layer) for layer in objs]
+        layers[0][0] = bad
+        gen = LayerwisePagedKVConnector(caches, pipeline=True).batched_from_gpu(layers, starts, ends, slot_mapping=slots)
+        with pytest.raises(ValueError, match=match):
+            next(gen)
+    assert torch.count_nonzero(PagedKVCache(fresh).gather(slots)) == 0
+    short.tensor.zero_()
+    assert torch.count_nonzero(short.tensor) == 0  # the store wrote nothing into it either
+
+
 def test_kept_slots_copy_a_host_slot_mapping():
     """A host slot mapping is a buffer vLLM refills: what a request keeps of it is a copy
     (a device one back to back is a view, no kernel)."""

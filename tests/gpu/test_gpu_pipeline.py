@@ -152,6 +152,29 @@ def test_load_is_visible_to_the_callers_next_kernel(slow_link):
         )
 
 
+def test_load_primed_on_another_stream_waits_for_its_rows():
+    """A load makes its row indices at the generator's first step, on the stream current
+    then (LMCache primes it before fetching the first layer from storage). When its
+    objects come on another stream, and the first one is held up behind a slow kernel,
+    the scatters must still wait for those rows: every slot ends up right."""
+    starts, ends, slots, src, objs = _stored(seed=4)
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh)
+    priming = torch.cuda.Stream()
+    priming.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(priming):
+        torch.cuda._sleep(_HOLD)  # the rows come after this
+        gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True)
+        next(gen)
+    for layer in range(LAYERS):
+        gen.send(objs[layer])
+    next(gen)
+    with pytest.raises(StopIteration):
+        next(gen)
+    torch.cuda.synchronize()
+    assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
+
+
 def test_back_to_back_requests_without_host_waits():
     """Two stores with sync=False queued before either finishes (the scratch buffers and
     events are reused across them), then two loads (one keeping vLLM's cached prefix):
