@@ -506,16 +506,20 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         rows = paged.layer_rows(_kept_slots(slot_mapping, starts, ends, skips))
         made = None
         if self.load_kernels.stream is not None:
+            # After the rows on the stream that made them (the caches' device's current
+            # one), which may not be the caller's stream when the first objects come.
             made = torch.cuda.Event()
-            made.record()  # (the caller's stream may differ when the first objects come)
+            made.record(torch.cuda.current_stream(paged.device))
         return _PrimedRows(rows, made)
 
     def _may_take_pipeline(self) -> bool:
-        """Whether a request may take the two-stream pipeline, before its objects are
-        seen (the row copy, when asked for, may take it instead)."""
+        """Whether a load may take the two-stream pipeline, before its objects are seen
+        (not when the row copy is asked for: a load then takes it where it can)."""
         if self.stage_all or self.row_copy or self.pipeline is False:
             return False
-        return self.pipeline is True or self.store_copies.is_async
+        if not self.store_copies.is_async:
+            return self.pipeline is True
+        return self._driver() is not None
 
     def _takes_pipeline(self, objs: Sequence[MemoryObj]) -> bool:
         """Whether a request whose first layer's objects are ``objs`` takes the
@@ -612,6 +616,13 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
             shape, have_dtype = meta.shape, meta.dtype
             if have_dtype is None or not shape:
                 raise ValueError("memory object has no tensor shape (it is a byte buffer)")
+            if len(getattr(meta, "shapes", None) or ()) > 1 or getattr(obj, "_used_size_override", None) is not None:
+                # (several groups: shape and dtype are the first's; narrowed: its tensor
+                # is the used bytes, not the shape)
+                raise ValueError(
+                    "memory object holds several tensor groups or a narrowed byte buffer, not one "
+                    "KV chunk: allocate objects with the connector's get_shape() and the caches' dtype"
+                )
             row = math.prod(shape[1:]) * have_dtype.itemsize
             have = max(0, shape[0] - skip) * row
             if have != n or have_dtype != dtype:
@@ -812,11 +823,17 @@ class LayerwisePagedKVConnector(_PagedCore, VLLMPagedMemLayerwiseGPUConnector):
         primed = self._primed_rows(paged, slot_mapping, starts, ends, skips) if self._may_take_pipeline() else None
         for layer in range(paged.num_layers):
             objs = self._sent(layer, (yield), len(spans))
-            if layer == 0 and self._takes_pipeline(objs):
+            full = [self._tensor(obj) for obj in objs] if self.row_copy else None
+            if (
+                layer == 0
+                and (full is None or self._copier_for(paged, full, layerwise=True) is None)
+                and self._takes_pipeline(objs)
+            ):
                 yield from self._pipelined_to_gpu(paged, objs, starts, ends, skips, slot_mapping, sync, primed)
                 return
             primed = None
-            full = [self._tensor(obj) for obj in objs]
+            if full is None:
+                full = [self._tensor(obj) for obj in objs]
             if sync:
                 self._caller_waits_for_loads()  # compute on layer-1 sees its KV
             copier = self._copier_for(paged, full, layerwise=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from gpu_kvgen import make_caches, random_requests
 from lmcache.v1.memory_allocators.ad_hoc_memory_allocator import AdHocMemoryAllocator
-from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 
 from kvstore.gpu import PagedKVCache, PinnedPool
 from kvstore.gpu.connector import LayerwisePagedKVConnector, PagedKVConnector, make_connector
@@ -249,7 +249,8 @@ def test_pipeline_refuses_a_later_layer_object_unlike_the_first():
 def test_pipeline_refuses_first_layer_objects_unlike_the_chunks():
     """The pipeline sizes every copy from the first layer's objects (their shape and
     dtype, no tensor view): a first-layer object too short for its chunk, of another
-    dtype, or invalidated is refused before any byte moves, in either direction."""
+    dtype, invalidated, of several tensor groups or narrowed to a byte payload is refused
+    before any byte moves, in either direction."""
     caches, slots, starts, ends = _sequence("flash_attn", seed=13)
     dtype = caches[0].dtype
     store = LayerwisePagedKVConnector(caches)
@@ -262,8 +263,23 @@ def test_pipeline_refuses_first_layer_objects_unlike_the_chunks():
     other_dtype = ALLOC.allocate(store.get_shape(n), same_width, fmt=MemoryFormat.KV_T2D)
     gone = ALLOC.allocate(store.get_shape(n), dtype, fmt=MemoryFormat.KV_T2D)
     gone.invalidate()
+    groups = ALLOC.allocate([store.get_shape(n), torch.Size([8])], [dtype, dtype], fmt=MemoryFormat.KV_T2D)
+    shape = store.get_shape(n)
+    raw = torch.zeros(shape.numel() * dtype.itemsize, dtype=torch.uint8)
+    meta = MemoryObjMetadata(shape, dtype, 0, raw.numel(), 1, 0, MemoryFormat.KV_T2D, shapes=[shape], dtypes=[dtype])
+    narrowed = TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None)
+    narrowed.set_used_size(raw.numel())  # (an encoded payload's bytes: its tensor is flat uint8)
+    short.tensor.fill_(1.5)
+    other_dtype.tensor.fill_(7)
+    before = [short.tensor.clone(), other_dtype.tensor.clone()]
     fresh = make_caches("flash_attn", fill="zeros")
-    for bad, match in ((short, "allocate objects"), (other_dtype, "allocate objects"), (gone, "valid: False|invalidated")):
+    for bad, match in (
+        (short, "allocate objects"),
+        (other_dtype, "allocate objects"),
+        (gone, "valid: False|invalidated"),
+        (groups, "several tensor groups|must be alike|size"),
+        (narrowed, "narrowed|allocate objects"),
+    ):
         gen = LayerwisePagedKVConnector(fresh, pipeline=True).batched_to_gpu(starts, ends, slot_mapping=slots)
         next(gen)
         with pytest.raises(ValueError, match=match):
@@ -274,8 +290,7 @@ def test_pipeline_refuses_first_layer_objects_unlike_the_chunks():
         with pytest.raises(ValueError, match=match):
             next(gen)
     assert torch.count_nonzero(PagedKVCache(fresh).gather(slots)) == 0
-    short.tensor.zero_()
-    assert torch.count_nonzero(short.tensor) == 0  # the store wrote nothing into it either
+    assert torch.equal(short.tensor, before[0]) and torch.equal(other_dtype.tensor, before[1])  # nor the stores
 
 
 def test_kept_slots_copy_a_host_slot_mapping():

@@ -175,6 +175,23 @@ def test_load_primed_on_another_stream_waits_for_its_rows():
     assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
 
 
+def test_row_copy_asked_for_moves_layerwise_loads_of_pinned_objects():
+    """``row_copy=True`` takes the one-launch row copy for layerwise loads of pinned
+    objects, as it does for stores (the pipeline is the default only): no pipeline plan
+    is made, and every slot ends up right."""
+    starts, ends, slots, src, objs = _stored(seed=6)
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh, row_copy=True)
+    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True)
+    next(gen)
+    for layer in range(LAYERS):
+        gen.send(objs[layer])
+    next(gen)
+    torch.cuda.synchronize()
+    assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
+    assert not load._plans
+
+
 def test_back_to_back_requests_without_host_waits():
     """Two stores with sync=False queued before either finishes (the scratch buffers and
     events are reused across them), then two loads (one keeping vLLM's cached prefix):
