@@ -192,6 +192,25 @@ def test_row_copy_asked_for_moves_layerwise_loads_of_pinned_objects():
     assert not load._plans
 
 
+def test_load_holds_each_layers_objects_until_its_transfer_is_complete():
+    """A load holds a reference to each object its queued copies read (the engine drops
+    its own right after the last send): with every copy held up, no object sent is given
+    back before the end; after the last step every reference is back."""
+    starts, ends, slots, src, objs = _stored(seed=7)
+    fresh = _caches()
+    load = LayerwisePagedKVConnector(fresh)
+    _hold(load.load_copies.stream)  # every copy waits behind a long kernel
+    gen = load.batched_to_gpu(starts, ends, slot_mapping=slots, sync=True)
+    next(gen)
+    for layer in range(LAYERS):
+        gen.send(objs[layer])
+        assert all(o.get_ref_count() == 2 for sent in objs[: layer + 1] for o in sent), layer
+    next(gen)
+    assert all(o.get_ref_count() == 1 for sent in objs for o in sent)
+    torch.cuda.synchronize()
+    assert torch.equal(PagedKVCache(fresh).gather(slots), PagedKVCache(src).gather(slots))
+
+
 def test_back_to_back_requests_without_host_waits():
     """Two stores with sync=False queued before either finishes (the scratch buffers and
     events are reused across them), then two loads (one keeping vLLM's cached prefix):
