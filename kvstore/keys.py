@@ -227,3 +227,15 @@ def namespace_prefix(namespace: str, model: str | None = None) -> str:
     if model is not None:
         prefix += escape_component(model) + "/"
     return prefix
+
+
+def listing_prefix(prefix: str, namespace: str | None, model: str | None = None) -> str | None:
+    """The one prefix that lists the names under both `prefix` and the namespace (and
+    model) given: the longer of the two when one extends the other, None when they are
+    disjoint (no name matches both, so nothing is listed)."""
+    if namespace is None:
+        return prefix
+    ns_prefix = namespace_prefix(namespace, model)
+    if prefix and not (prefix.startswith(ns_prefix) or ns_prefix.startswith(prefix)):
+        return None
+    return max(ns_prefix, prefix, key=len)

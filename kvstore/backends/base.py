@@ -288,6 +288,12 @@ class Backend(abc.ABC):
             "recently used objects to stay under it; open it without capacity="
         ]
 
+    async def make_durable(self) -> None:  # noqa: B027 - optional hook
+        """Make every object this backend has written so far survive a crash or power
+        loss, where a successful put alone does not (a disk store's renames, until their
+        directories are synced). Here: nothing to do. `kvstore migrate --delete-source`
+        calls it before deleting any source."""
+
     def evicted(self, names: builtins.list[str]) -> None:
         """Tell `on_evict` that `names` were evicted to stay under `capacity` (counted)."""
         self.counters.evictions += len(names)

@@ -63,6 +63,7 @@ name is escaped, so the two kinds of file name never meet.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import concurrent.futures
 import errno
 import hashlib
@@ -233,6 +234,15 @@ def _write_object(
         raise
 
 
+def _sync_directories(dirs: set[Path]) -> None:
+    for d in dirs:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class _Defective(Exception):
     """What is at an object's path cannot be that object (a directory, a file larger than
     any object written here); the reader quarantines it and serves a miss."""
@@ -393,6 +403,7 @@ class DiskBackend(Backend):
             d.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
         self.fsync = fsync
+        self._renamed_in: set[Path] = set()  # directories published into since `make_durable`
         self._sizes: dict[str, int] = {}  # sizes this process has seen (a cache, not the truth)
         self._reading: dict[str, int] = {}
         self.concurrency = concurrency
@@ -678,6 +689,24 @@ class DiskBackend(Backend):
         if self._flushing:
             await asyncio.gather(*self._flushing, return_exceptions=True)
 
+    async def retention_risks(self) -> builtins.list[str]:
+        """Besides a byte budget: writes that are not synced (``fsync=false``)."""
+        risks = await super().retention_risks()
+        if not self.fsync:
+            risks.append(
+                f"{redact_url(self.url)} does not sync what it writes (fsync=false), so a crash or power "
+                "loss can lose objects after their sources are deleted; drop fsync=false from the URL"
+            )
+        return risks
+
+    async def make_durable(self) -> None:
+        """Sync the directories objects were renamed into since the last call: a rename is
+        on the disk only once its directory is (each file was synced before it)."""
+        if not self.fsync:
+            return
+        dirs, self._renamed_in = self._renamed_in, set()
+        await asyncio.to_thread(_sync_directories, dirs)
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -717,7 +746,9 @@ class DiskBackend(Backend):
                 self.counters.rejected += 1
                 return False
             try:
-                await _write_object(self.path_of(name), name, parts, size, self.fsync, unsealed)
+                path = self.path_of(name)
+                await _write_object(path, name, parts, size, self.fsync, unsealed)
+                self._renamed_in.add(path.parent)
             except OSError as exc:
                 self.counters.put_errors += 1
                 fatal = exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS)

@@ -18,6 +18,7 @@ same store wherever it is opened; ``mem://`` (no name) is private to its instanc
 from __future__ import annotations
 
 import asyncio
+import builtins
 import ctypes
 import logging
 import threading
@@ -302,6 +303,14 @@ class MemoryBackend(Backend):
         for name, obj in listed:
             if name.startswith(prefix):
                 yield ObjectInfo(name, obj.size, obj.mtime)
+
+    async def retention_risks(self) -> builtins.list[str]:
+        """Besides a byte budget: the objects live in this process's memory only."""
+        return [
+            *await super().retention_risks(),
+            f"{redact_url(self.url)} keeps objects in this process's memory only, so they are gone "
+            "when it exits; migrate to a file://, redis:// or s3:// store instead",
+        ]
 
     async def close(self) -> None:
         """A private tier (``mem://`` without a name) lets its objects and arena go; a

@@ -312,12 +312,17 @@ def gc(
         raise click.UsageError("say what to collect: --older-than, --max-bytes and/or --stale-uploads")
     try:
         age = parse_duration(older_than) if older_than else None
-        budget = parse_size(max_bytes) if max_bytes else None
+        budget = parse_size(max_bytes) if max_bytes is not None else None
         uploads_age = parse_duration(stale_uploads) if stale_uploads else 3600.0
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
-    if max_bytes is not None and budget is None:
-        budget = 0
+    if max_bytes is not None and not budget:
+        # parse_size reads "", "0", "none" and "inf" as no limit, and a fraction of a byte
+        # as 0: as a budget to keep, each would delete every object.
+        raise click.BadParameter(
+            f"--max-bytes {max_bytes!r} leaves no bytes to keep, so gc would delete every object: give "
+            "the budget to keep, e.g. 100GiB (to delete everything on purpose: --older-than 0s)"
+        )
 
     async def main(b: Backend) -> Any:
         return await gc_store(

@@ -27,7 +27,7 @@ from kvstore.frame import (
     decode_frame,
     read_header,
 )
-from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+from kvstore.keys import ChunkKey, InvalidKeyError, listing_prefix
 from kvstore.options import option_int
 
 HEAD_BYTES = 4096
@@ -53,10 +53,11 @@ def age_bucket(age_s: float) -> str:
 async def list_objects(backend: Backend, prefix: str = "", namespace: str | None = None) -> list[ObjectInfo]:
     """The objects under `prefix`; what the listing could not read is left in
     ``backend.unlisted`` (cleared first), for the caller to report."""
-    if namespace is not None:
-        prefix = max(prefix, namespace_prefix(namespace), key=len)
     backend.unlisted.clear()
-    return [i async for i in backend.list(prefix)]
+    found = listing_prefix(prefix, namespace)
+    if found is None:  # a prefix outside the namespace: nothing is in both
+        return []
+    return [i async for i in backend.list(found)]
 
 
 def _header_cut(head: memoryview) -> bool:

@@ -19,7 +19,10 @@ For each source object (listed, filtered by prefix / namespace / model):
    again, and delete only the source objects whose destination copy is still there and
    still matches; one gone or changed is reported in ``lost`` and its source is kept.
    A destination that says it may drop what it holds (`Backend.retention_risks`: a byte
-   budget, a TTL, an evicting Redis) is refused before anything is copied.
+   budget, a TTL, an evicting Redis) is refused before anything is copied, and so is
+   one that is the source under another URL (a path through a link, a host or a
+   trailing slash spelled another way: :func:`same_store`), where every source object
+   would be found "done" and deleted.
 
 Memory stays bounded: at most `concurrency` objects and `max_inflight_bytes` bytes are
 held at once (one object larger than that budget still passes, alone).  Destination
@@ -33,6 +36,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -44,7 +48,7 @@ from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
 from kvstore.buffers import BufferPool
 from kvstore.frame import FrameError, FrameHeader, read_header
-from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix, printable_name
+from kvstore.keys import ChunkKey, InvalidKeyError, listing_prefix, printable_name
 from kvstore.ops.inspect import read_headers
 from kvstore.options import kvstore_home, option_int
 from kvstore.tier import check_frame, transcode
@@ -74,12 +78,8 @@ class MigrateOptions:
         option_int("max_inflight_bytes", self.max_inflight_bytes)
 
     def listing_prefix(self) -> str:
-        if self.namespace is not None:
-            ns_prefix = namespace_prefix(self.namespace, self.model)
-            if self.prefix and not (self.prefix.startswith(ns_prefix) or ns_prefix.startswith(self.prefix)):
-                return "\x00"  # disjoint filters: nothing matches
-            return max(ns_prefix, self.prefix, key=len)
-        return self.prefix
+        found = listing_prefix(self.prefix, self.namespace, self.model)
+        return "\x00" if found is None else found  # (disjoint filters: nothing matches)
 
     def matches(self, name: str) -> bool:
         if not name.startswith(self.listing_prefix()):
@@ -178,6 +178,29 @@ def journal_path(src: Backend, dst: Backend, opts: MigrateOptions) -> Path:
     return kvstore_home() / "migrations" / f"{digest}.jsonl"
 
 
+PROBE_PREFIX = "kvstore-migrate-probe/"
+
+
+async def same_store(src: Backend, dst: Backend) -> bool:
+    """Whether `src` and `dst` are one store under two URLs: a probe object of random
+    bytes written to `dst` reads back from `src` (then it is deleted). URLs cannot tell:
+    a path through a symbolic link, ``redis://h/0`` and ``redis://h:6379/0``, an S3
+    prefix with and without its slash all name one store."""
+    name = PROBE_PREFIX + secrets.token_hex(12)
+    payload = secrets.token_bytes(64)
+    (ok,) = await dst.put_many([(name, payload)])
+    if not ok:
+        raise ValueError(
+            f"--delete-source refused: {redact_url(dst.url)} did not take a 64-byte probe object "
+            f"({name}), so it cannot be told apart from the source; check the destination is writable"
+        )
+    try:
+        (seen,) = await src.get_many([name])
+        return seen is not None and bytes(seen) == payload
+    finally:
+        await dst.delete_many([name])
+
+
 def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> bool:
     target = codecs.parse_spec(recode)[0] if recode is not None else None
     if target is None or target == src.codec:
@@ -209,6 +232,13 @@ async def migrate(
             raise ValueError(
                 f"--delete-source refused: {redact_url(dst.url)} may drop what it receives, so deleting "
                 "the source could lose objects: " + "; ".join(risks) + ". Fix that, or drop --delete-source"
+            )
+        if await same_store(src, dst):
+            raise ValueError(
+                f"--delete-source refused: {redact_url(src.url)} and {redact_url(dst.url)} are one store "
+                "(an object written to the destination reads back from the source), so each source object "
+                "would count as copied and be deleted: its only copy. Give two different stores, or drop "
+                "--delete-source"
             )
     t0 = time.perf_counter()
     report = MigrationReport(src=redact_url(src.url), dst=redact_url(dst.url), dry_run=opts.dry_run)
@@ -378,6 +408,7 @@ async def migrate(
     try:
         await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
         if opts.delete_source and not opts.dry_run:
+            await dst.make_durable()  # (a disk store's renames: on the disk before any source goes)
             await delete_settled()
     finally:
         journal.close()

@@ -116,7 +116,7 @@ def test_verify_and_migrate_do_not_read_an_oversized_object(tmp_path: Path) -> N
 
     async def go() -> None:
         src = DiskBackend(tmp_path / "src")
-        dst = open_backend("mem://oversized-dst")
+        dst = open_backend((tmp_path / "dst").as_uri())
         rep = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
         assert rep.corrupt == [bad] and rep.copied == 3 and rep.deleted == 3
         assert await src.contains_many([bad]) == [True]  # never deleted

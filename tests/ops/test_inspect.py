@@ -89,6 +89,30 @@ def test_gc_budget_oldest_first_and_age(tmp_path: Path) -> None:
     assert sorted(json.loads(out)["deleted"]) == sorted(names[4:])
 
 
+def test_gc_refuses_a_budget_that_would_delete_everything(tmp_path: Path) -> None:
+    """Values a size parser reads as "no limit" (or a fraction of a byte) are no budget to
+    keep: gc refuses them, deletes nothing, and says how to delete everything on purpose."""
+    names = populate(tmp_path)
+    for value in ("none", "inf", "unbounded", "", "0", "0.5"):
+        code, out = run("gc", tmp_path.as_uri(), "--max-bytes", value, "--older-than", "7d")
+        assert code == 2 and "would delete every object" in out and "--older-than 0s" in out, (value, out)
+    assert sorted(i for i, _ in DiskBackend(tmp_path)._entries()) == sorted(names)
+
+
+def test_gc_with_a_prefix_outside_its_namespace_deletes_nothing(tmp_path: Path) -> None:
+    """--namespace and --prefix both filter: a prefix in another namespace matches nothing
+    (it once replaced the namespace, so gc deleted there)."""
+    names = populate(tmp_path)
+    time.sleep(1.1)
+    code, out = run("gc", tmp_path.as_uri(), "--namespace", "a", "--prefix", "b/", "--older-than", "1s", "--json")
+    assert code == 0 and json.loads(out)["deleted"] == []
+    code, out = run("ls", tmp_path.as_uri(), "b/", "--namespace", "a")
+    assert code == 0 and out.strip() == ""
+    assert sorted(i for i, _ in DiskBackend(tmp_path)._entries()) == sorted(names)
+    code, out = run("gc", tmp_path.as_uri(), "--namespace", "b", "--prefix", "b/", "--older-than", "1s", "--json")
+    assert sorted(json.loads(out)["deleted"]) == sorted(names[4:])
+
+
 def test_a_tier_url_from_a_store_config_works_as_written(tmp_path: Path) -> None:
     """The URL a store's config names (with store options) lists the same objects; a bad
     store option is an error that names it."""

@@ -111,7 +111,7 @@ async def test_corrupt_source_object_is_reported_not_copied(tmp_path: Path) -> N
     blob = bytearray(bad.read_bytes())
     blob[-7] ^= 0x40
     bad.write_bytes(bytes(blob))
-    dst = open_backend("mem://corrupt-dst")
+    dst = open_backend((tmp_path / "dst").as_uri())
     report = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
     assert report.corrupt == [names[2]] and report.copied == 4
     assert await dst.contains_many(names) == [True, True, False, True, True]
@@ -143,6 +143,63 @@ async def test_delete_source_into_a_budgeted_store_is_refused(tmp_path: Path) ->
             DiskBackend(tmp_path / "dst", capacity=1 << 20),
             MigrateOptions(delete_source=True),
         )
+
+
+async def test_delete_source_into_the_source_under_another_url_is_refused(tmp_path: Path) -> None:
+    """One store under two URLs (a path through a link, a trailing slash): every source
+    object would be found "done" in the destination and deleted, its only copy."""
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 3)
+    (tmp_path / "link").symlink_to(tmp_path / "src")
+    for alias in ((tmp_path / "link").as_uri(), src_url + "/"):
+        with pytest.raises(ValueError, match="are one store"):
+            await migrate(
+                open_backend(src_url), open_backend(alias), MigrateOptions(delete_source=True, journal=tmp_path / "j")
+            )
+    src = open_backend(src_url)
+    assert await src.contains_many(list(data)) == [True] * 3
+    assert [i.name async for i in src.list("kvstore-migrate-probe/")] == []  # the probe is gone
+    report = await migrate(src, open_backend((tmp_path / "dst").as_uri()), MigrateOptions(delete_source=True))
+    assert report.deleted == 3  # two stores: the probe lets it through
+
+
+async def test_delete_source_into_memory_or_unsynced_disk_is_refused(tmp_path: Path) -> None:
+    """A mem:// store lives in this process only; a disk store with fsync=false can lose
+    what it was given in a crash: neither may hold the only copy."""
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 2)
+    for dst_url, why in (("mem://delete-into-mem", "memory only"), ((tmp_path / "d").as_uri() + "?fsync=false", "fsync=false")):
+        with pytest.raises(ValueError, match=why):
+            await migrate(open_backend(src_url), open_backend(dst_url), MigrateOptions(delete_source=True))
+    assert await open_backend(src_url).contains_many(list(data)) == [True] * 2
+
+
+async def test_delete_source_syncs_the_destination_directories_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each file is synced before its rename; the renames are on the disk once their
+    directories are: synced before any source is deleted."""
+    import kvstore.backends.disk as disk_module
+
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 4)
+    src, dst = open_backend(src_url), DiskBackend(tmp_path / "dst")
+    synced: list[Path] = []
+    real_sync = disk_module._sync_directories
+    real_delete = src.delete_many
+
+    def sync(dirs: set[Path]) -> None:
+        synced.extend(dirs)
+        real_sync(dirs)
+
+    async def delete_many(names):  # type: ignore[no-untyped-def]
+        assert {dst.path_of(n).parent for n in names} <= set(synced)  # synced before any deletion
+        return await real_delete(names)
+
+    monkeypatch.setattr(disk_module, "_sync_directories", sync)
+    monkeypatch.setattr(src, "delete_many", delete_many)
+    report = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+    assert report.deleted == 4 and {dst.path_of(n).parent for n in data} <= set(synced)
 
 
 async def test_recode_raw_to_cachegen_shrinks(tmp_path: Path) -> None:
