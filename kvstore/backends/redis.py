@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
@@ -219,6 +219,18 @@ def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
     if ours.get("pipeline_max") is None:
         ours.pop("pipeline_max", None)
     return RedisOptions(ttl_by_namespace=tuple(ttls), **ours), passthrough
+
+
+async def _all_settled(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Run `coros` together and wait until every one has ended, then raise the first
+    error. A plain gather raises at the first error while the rest run on: a part fetch
+    would then write into a buffer the caller has already given back to its pool (and
+    another read taken), after that read's checksum passed; a part put would still be
+    reading the caller's buffer."""
+    results = await asyncio.gather(*coros, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
 
 
 class RedisBackend(Backend):
@@ -568,7 +580,7 @@ class RedisBackend(Backend):
             async with self._big:
                 await self.client.hset(hkey, field, piece[0] if len(piece) == 1 else Gathered(piece))
 
-        await asyncio.gather(*(put_piece(f, p) for f, p in zip(manifest.fields(), pieces)))
+        await _all_settled(put_piece(f, p) for f, p in zip(manifest.fields(), pieces))
         if ttl is not None:
             await self.client.pexpire(hkey, ttl)
         old = await self.client.set(layout.data_key(pfx, name), manifest.encode(), px=ttl, get=True)
@@ -764,7 +776,7 @@ class RedisBackend(Backend):
             off = index * manifest.part_size
             buf[off : off + want] = piece
 
-        await asyncio.gather(*(fetch(k, f) for k, f in enumerate(manifest.fields())))
+        await _all_settled(fetch(k, f) for k, f in enumerate(manifest.fields()))
         if missing[0]:
             log.debug("redis object %r lost a part (evicted, expired or overwritten): miss", name)
             return None

@@ -101,6 +101,33 @@ async def test_deleted_or_truncated_part_is_a_miss(redis_server):
     await b.close()
 
 
+async def test_a_failed_part_fetch_leaves_no_fetch_writing_after_the_read(redis_server, monkeypatch):
+    """When one part's fetch fails, the read ends only after every other fetch has: none
+    writes into the caller's buffer later (it goes back to a pool, where another read may
+    hold it by then, its checksum already passed)."""
+    b = open_backend(f"{redis_server.url}?part_size=1MiB&{FAST}")
+    name = "ns/m/vllm-1-0/parts"
+    assert await b.put(name, os.urandom(4 * MiB))
+    real_hget = b.client.hget
+    calls = [0]
+
+    async def hget(key, field):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        if calls[0] == 1:
+            raise redis.exceptions.ConnectionError("reset by peer")  # the first part fails at once
+        await asyncio.sleep(0.2)  # the others answer later
+        return await real_hget(key, field)
+
+    monkeypatch.setattr(b.client, "hget", hget)
+    buf = bytearray(4 * MiB + 4096)
+    got = await b.get_many([name], lambda n: memoryview(buf)[:n])
+    assert got == [None] and b.counters.get_errors == 1
+    returned = bytes(buf)  # the caller now reuses its buffer
+    await asyncio.sleep(0.4)
+    assert bytes(buf) == returned  # no fetch wrote into it after the read returned
+    await b.close()
+
+
 async def test_stale_manifest_never_mixes_two_writes(redis_server):
     """A reader holding an older generation's manifest gets a miss, not old+new parts."""
     b = open_backend(f"{redis_server.url}?part_size=1MiB&{FAST}")
