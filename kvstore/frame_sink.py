@@ -73,6 +73,14 @@ class FrameSink:
         dst = self.place(header)
         if dst is None:
             return None
+        if dst.nbytes != header.plen:
+            # a payload shorter than its place would leave the place's tail as it was (a
+            # reused buffer's old bytes) under a checksum that passes; longer, past it
+            self.error = LengthMismatchError(
+                f"payload is {header.plen} bytes, its place {dst.nbytes} (shape {header.shape} "
+                f"{header.dtype}): the frame disagrees with itself"
+            )
+            return None
         self.placed = True
         return dst, off
 

@@ -124,6 +124,22 @@ async def test_a_keyless_or_misplaced_frame_is_a_miss_on_the_streamed_path(tmp_p
     await st.close()
 
 
+async def test_a_frame_whose_payload_is_shorter_than_its_shape_is_a_miss(tmp_path: Path) -> None:
+    """A raw frame whose checksum and key hold but whose payload is shorter than its
+    shape would fill only the head of the caller's tensor, its tail keeping whatever a
+    reused buffer held: refused on the streamed path as on the whole one."""
+    from kvstore.frame import encode_frame
+
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], discover=True)
+    t = torch.randn(256, 1024)
+    short = memoryview(t[:128].contiguous().numpy()).cast("B")
+    parts = encode_frame([short], codec="raw", dtype="float32", shape=tuple(t.shape), layout="KV_2LTD", key=NAME)
+    assert await st.tiers[0].backend.put_many([(NAME, parts)]) == [True]
+    out = torch.full_like(t, 7.0)  # a reused buffer's old bytes
+    assert await st.get_many([NAME], out=[out]) == [None]
+    await st.close()
+
+
 @pytest.mark.parametrize("mmap", ["true", "false"])
 async def test_mapped_and_pread_reads_hand_back_the_same_bytes(
     tmp_path: Path, mmap: str, monkeypatch: pytest.MonkeyPatch
