@@ -72,10 +72,21 @@ class Reader:
 
     async def read_tier(self, j: int, names: Sequence[str], outs: Sequence[Out] | None) -> list[ReadResult]:
         """`Tier.read_into` under tier `j`'s deadline and breaker: UNAVAILABLE for every
-        name when the tier does not answer (a miss that keeps the object on the books)."""
+        name when the tier does not answer, and for every name not found in a batch whose
+        reads the backend counted errors in (a miss that keeps the object on the books)."""
         p = self.p
         fallback = [ReadResult(None, UNAVAILABLE, 0)] * len(names)
-        return await p.guard.call(j, p.tiers[j].read_into(names, outs, p.pool), fallback, "get")
+        counters = p.tiers[j].backend.counters
+        errors = counters.get_errors
+        got = await p.guard.call(j, p.tiers[j].read_into(names, outs, p.pool), fallback, "get")
+        if counters.get_errors != errors:
+            # A read failed in the backend (a reset connection, a 5xx, EIO): backends answer
+            # those as absent, which alone would drop the names from the books (and tell
+            # LMCache they were deleted) while their bytes may well be there. Any name not
+            # found while errors were counted is a miss that keeps it on the books: lower
+            # tiers holding a copy are read instead, and a later read tells gone from away.
+            got = [ReadResult(None, UNAVAILABLE, 0) if r.status == GONE else r for r in got]
+        return got
 
     async def _read_group(
         self,

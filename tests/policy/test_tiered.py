@@ -692,3 +692,41 @@ async def test_known_prefix_on_another_thread_never_promises_a_chunk_whose_write
         sys.setswitchinterval(interval)
     assert answers["all"] > 1000 and answers["held"] == 0
     await store.close()
+
+
+async def test_a_read_the_backend_failed_keeps_the_name_and_reads_the_copy_below() -> None:
+    """Backends answer a read that failed (a reset connection, a 5xx, EIO) as absent and
+    count the error. The store must not take that for "gone": it serves the write-through
+    copy below, keeps the name in the upper tier's books, tells on_gone nothing, and once
+    the upper tier answers again serves from there."""
+
+    class Faulty(MemoryBackend):
+        failing = False
+
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            if self.failing:  # as the Redis, S3 and disk backends answer a failed read
+                self.counters.get_errors += len(names)
+                self.counters.misses += len(names)
+                return [None] * len(names)
+            return await super().get_many(names, alloc)
+
+    upper, lower = Faulty("mem://"), MemoryBackend("mem://")
+    store = TieredStore(
+        [
+            TierSpec(Tier(upper), capacity=1 << 20),
+            TierSpec(Tier(lower), capacity=1 << 20, write="through"),
+        ]
+    )
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    assert await store.put_many([(name(1), chunk(1))]) == [True]
+    await store.drain()
+    upper.failing = True
+    got = await store.get_many([name(1)])
+    assert got[0] is not None and torch.equal(got[0], chunk(1))  # the copy below
+    assert name(1) in store.placement.tiers[0].resident and gone == []
+    upper.failing = False
+    reads = upper.counters.gets
+    got = await store.get_many([name(1)])
+    assert got[0] is not None and torch.equal(got[0], chunk(1)) and upper.counters.gets > reads
+    await store.close()
