@@ -61,6 +61,10 @@ async def read_chunks(
     def alloc_for(i: int):
         def alloc(header):
             shape, dtype, fmt = allocation_for(header)
+            earlier = objs[i]
+            if earlier is not None:  # a read that fell back to another tier: its first place goes back
+                objs[i] = None
+                earlier.ref_count_down()
             obj = allocator.allocate(shape, dtype, fmt, eviction=True, busy_loop=False)
             if obj is None:
                 counters.alloc_failed += 1
