@@ -53,10 +53,17 @@ class TierCounters:
 
 
 def codec_for(name: str) -> codecs.Codec:
-    """The codec a frame names; `CodecUnavailableError` when this process lacks it."""
+    """The codec a frame names; `CodecUnavailableError` when this process lacks it.
+
+    A frame names its codec bare (``raw``, ``cachegen``: what it needs to decode is in
+    its header and payload), so a name with options is refused unread: a stored frame
+    must not choose the options a reader builds its codec with (a profile path to open,
+    a thread count). Any failure to build it is the same counted miss."""
+    if name not in codecs.names():
+        raise CodecUnavailableError(f"frame names codec {name!r}, not one of {', '.join(codecs.names())}")
     try:
         return codecs.get(name)
-    except (ValueError, ImportError) as exc:
+    except Exception as exc:
         raise CodecUnavailableError(f"codec {name!r} is not available: {exc}") from exc
 
 

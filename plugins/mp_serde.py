@@ -94,6 +94,7 @@ from kvstore.frame import (
     read_header,
 )
 from kvstore.keys import DEFAULT_NAMESPACE, MAX_NAME_LEN
+from kvstore.tier import codec_for
 from kvstore_lmcache.keymap import mp_object_name, payload_of
 
 if TYPE_CHECKING:
@@ -336,7 +337,7 @@ class CacheGenFrameSerde(Serializer, Deserializer):
     def _decoder(self, name: str) -> Codec:
         dec = self._decoders.get(name)
         if dec is None:
-            dec = self._decoders[name] = codecs.get(name)
+            dec = self._decoders[name] = codec_for(name)  # (a bare name; options refused)
         return dec
 
 

@@ -140,6 +140,23 @@ async def test_a_frame_whose_payload_is_shorter_than_its_shape_is_a_miss(tmp_pat
     await st.close()
 
 
+async def test_a_frame_naming_its_codec_with_options_is_not_decoded(tmp_path: Path) -> None:
+    """Frames name their codec bare; a stored frame naming options (a profile path to
+    open, a thread count) does not get to choose how the reader builds its codec: a
+    miss, the codec never built, nothing raised into the caller."""
+    from kvstore.frame import encode_frame
+    from kvstore.tier import codec_for
+
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], discover=True)
+    spec = f"cachegen?profile={tmp_path / 'nowhere.json'}&threads=64"
+    parts = encode_frame([b"\x00" * 64], codec=spec, dtype="float32", shape=(16,), layout="KV_2LTD", key=NAME)
+    assert await st.tiers[0].backend.put_many([(NAME, parts)]) == [True]
+    assert await st.get_many([NAME]) == [None]
+    with pytest.raises(Exception, match="not one of"):
+        codec_for(spec)
+    await st.close()
+
+
 @pytest.mark.parametrize("mmap", ["true", "false"])
 async def test_mapped_and_pread_reads_hand_back_the_same_bytes(
     tmp_path: Path, mmap: str, monkeypatch: pytest.MonkeyPatch
