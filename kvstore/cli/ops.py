@@ -143,18 +143,21 @@ def migrate(
         inflight = option_size("--max-inflight", max_inflight, unbounded=False)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--max-inflight") from exc
-    opts = MigrateOptions(
-        prefix=prefix,
-        namespace=namespace,
-        model=model,
-        recode=recode,
-        delete_source=delete_source,
-        dry_run=dry_run,
-        concurrency=concurrency,
-        max_inflight_bytes=inflight or 512 << 20,
-        verify_after_write=not no_verify_after_write,
-        fresh=fresh,
-    )
+    try:
+        opts = MigrateOptions(
+            prefix=prefix,
+            namespace=namespace,
+            model=model,
+            recode=recode,
+            delete_source=delete_source,
+            dry_run=dry_run,
+            concurrency=concurrency,
+            max_inflight_bytes=inflight or 512 << 20,
+            verify_after_write=not no_verify_after_write,
+            fresh=fresh,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
 
     async def main(src: Backend, dst: Backend) -> Any:
         objects = await list_matching(src, opts)

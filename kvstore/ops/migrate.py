@@ -76,6 +76,11 @@ class MigrateOptions:
     def __post_init__(self) -> None:
         option_int("concurrency", self.concurrency)
         option_int("max_inflight_bytes", self.max_inflight_bytes)
+        if self.delete_source and not self.verify_after_write:
+            raise ValueError(
+                "--delete-source needs each copy read back and checked before its source goes; "
+                "drop --no-verify-after-write"
+            )
 
     def listing_prefix(self) -> str:
         found = listing_prefix(self.prefix, self.namespace, self.model)
@@ -171,10 +176,11 @@ class Journal:
 
 
 def journal_path(src: Backend, dst: Backend, opts: MigrateOptions) -> Path:
-    ident = json.dumps(
-        [redact_url(src.url), redact_url(dst.url), opts.listing_prefix(), opts.model, opts.recode]
-    )
-    digest = hashlib.blake2b(ident.encode(), digest_size=12).hexdigest()
+    ident = [redact_url(src.url), redact_url(dst.url), opts.listing_prefix(), opts.model, opts.recode]
+    if not opts.verify_after_write:  # its names were never read back: a checked run may not skip them
+        ident.append("unverified")
+    ident_text = json.dumps(ident)
+    digest = hashlib.blake2b(ident_text.encode(), digest_size=12).hexdigest()
     return kvstore_home() / "migrations" / f"{digest}.jsonl"
 
 

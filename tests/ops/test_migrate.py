@@ -202,6 +202,32 @@ async def test_delete_source_syncs_the_destination_directories_first(
     assert report.deleted == 4 and {dst.path_of(n).parent for n in data} <= set(synced)
 
 
+async def test_delete_source_needs_the_read_back_and_its_own_journal(tmp_path: Path) -> None:
+    """--delete-source with --no-verify-after-write is refused (its last check reads
+    headers only, so a torn copy could cost its source); names an unverified run wrote
+    are read and checked by a later --delete-source run, not skipped on its journal."""
+    with pytest.raises(ValueError, match="drop --no-verify-after-write"):
+        MigrateOptions(delete_source=True, verify_after_write=False)
+    src_url, dst_url = (tmp_path / "src").as_uri(), (tmp_path / "dst").as_uri()
+    data = await fill(src_url, 3)
+    src = open_backend(src_url)
+    first = await migrate(src, open_backend(dst_url), MigrateOptions(verify_after_write=False))
+    assert first.copied == 3
+    torn = DiskBackend(tmp_path / "dst").path_of(next(iter(data)))
+    blob = bytearray(torn.read_bytes())
+    blob[-5] ^= 0x10  # the copy rotted (or was torn) after the unverified write
+    torn.write_bytes(bytes(blob))
+    again = await migrate(src, open_backend(dst_url), MigrateOptions(delete_source=True))
+    assert again.already_done == 2 and again.copied == 1 and again.deleted == 3
+    await assert_same(dst_url, data)  # the rotten copy was found and written again
+    code = subprocess.run(
+        [sys.executable, "-m", "kvstore.cli.main", "migrate", src_url, dst_url, "--delete-source", "--no-verify-after-write"],
+        capture_output=True,
+        text=True,
+    )
+    assert code.returncode == 2 and "drop --no-verify-after-write" in code.stderr
+
+
 async def test_recode_raw_to_cachegen_shrinks(tmp_path: Path) -> None:
     require_module("kvstore.codec.cachegen")
     src_url = (tmp_path / "src").as_uri()
