@@ -275,13 +275,25 @@ def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: b
         click.echo(json.dumps(report.to_dict()))
     else:
         click.echo(
-            f"checked {report.checked}: {report.ok} ok, {len(report.bad)} bad, {report.missing} vanished"
+            f"checked {report.checked}: {report.ok} ok, {len(report.bad)} bad, {report.missing} vanished, "
+            f"{len(report.unreadable)} unreadable, {len(report.foreign)} not kvstore objects"
         )
         for name, why in report.bad.items():
             click.echo(f"bad: {printable_name(name)}: {printable_name(why)}", err=True)
+        for name in report.unreadable:
+            click.echo(
+                f"unreadable: {printable_name(name)}: still listed, but its read failed (see -v); rerun verify",
+                err=True,
+            )
+        for name in report.foreign:
+            click.echo(
+                f"not a kvstore frame (a foreign object, or a kvstore one whose first bytes are damaged; "
+                f"left as it is): {printable_name(name)}",
+                err=True,
+            )
         if report.quarantined:
             click.echo(f"quarantined {report.quarantined}")
-    if _report_unlisted(report.unlisted) or report.bad:
+    if _report_unlisted(report.unlisted) or report.bad or report.unreadable or report.foreign:
         sys.exit(EXIT_FAILURES)
 
 

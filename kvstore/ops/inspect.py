@@ -21,6 +21,7 @@ from kvstore.frame import (
     MAGIC,
     PREFIX,
     PREFIX_LEN,
+    BadMagicError,
     FrameError,
     FrameHeader,
     LengthMismatchError,
@@ -155,7 +156,9 @@ class VerifyReport:
     checked: int = 0
     ok: int = 0
     bad: dict[str, str] = field(default_factory=dict)
-    missing: int = 0
+    missing: int = 0  # listed, then gone before it was read (deleted or evicted meanwhile)
+    unreadable: list[str] = field(default_factory=list)  # still there, but its read failed
+    foreign: list[str] = field(default_factory=list)  # not a kvstore frame: left as it is
     quarantined: int = 0
     unlisted: list[tuple[str, str]] = field(default_factory=list)
 
@@ -179,25 +182,33 @@ async def verify_store(
     for o in objects:
         queue.put_nowait(o)
 
-    async def bad(name: str, why: str) -> None:
+    async def bad(name: str, why: str, *, proven: bool = True) -> None:
         report.bad[name] = why
-        if quarantine:
+        if quarantine and proven:  # only what was read and found defective is moved aside
             await backend.quarantine(name, why)
             report.quarantined += 1
 
     async def check(info: ObjectInfo) -> None:
-        if info.size > backend.max_object_bytes:  # never read into memory
+        if info.size > backend.max_object_bytes:  # never read into memory, so never quarantined
             await bad(
-                info.name, f"TooLarge: {info.size} bytes, over max_object_size={backend.max_object_bytes}"
+                info.name,
+                f"TooLarge: {info.size} bytes, over max_object_size={backend.max_object_bytes} (not read: "
+                "raise max_object_size in the URL to check it)",
+                proven=False,
             )
             return
         (raw,) = await backend.get_many([info.name])
         if raw is None:
-            report.missing += 1
+            if (await backend.contains_many([info.name]))[0]:
+                report.unreadable.append(info.name)  # a fault, not a deletion: rerun to check it
+            else:
+                report.missing += 1
             return
         try:
             decode_frame(raw, key=info.name)
             report.ok += 1
+        except BadMagicError:
+            report.foreign.append(info.name)  # another program's object under the prefix: not ours to move
         except FrameError as exc:
             await bad(info.name, f"{type(exc).__name__}: {exc}")
 

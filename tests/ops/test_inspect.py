@@ -70,6 +70,40 @@ def test_verify_finds_a_bit_flip_and_quarantines(tmp_path: Path) -> None:
     assert any((tmp_path / "quarantine").iterdir())
 
 
+def test_verify_quarantines_only_what_it_read_and_found_defective(tmp_path: Path) -> None:
+    """An object over the reader's size limit is reported, never read, so never moved
+    aside; a file that is no kvstore frame at all is reported and left where it is."""
+    names = populate(tmp_path)
+    be = DiskBackend(tmp_path)
+    foreign = be.path_of(names[1])
+    foreign.write_bytes(b"another program's bytes")
+    small = be.path_of(names[0]).stat().st_size - 1
+    url = f"{tmp_path.as_uri()}?max_object_size={small}"
+    code, out = run("verify", url, "--quarantine", "--json")
+    report = json.loads(out.splitlines()[-1])
+    assert code == 1 and report["foreign"] == [names[1]] and report["quarantined"] == 0
+    assert all("TooLarge" in why and "not read" in why for why in report["bad"].values())
+    assert foreign.exists() and all(be.path_of(n).exists() for n in names)
+
+
+async def test_verify_tells_an_unreadable_object_from_a_vanished_one() -> None:
+    """A read that fails while the object is still listed is a fault (reported, exit 1),
+    not a deletion that happened meanwhile."""
+    from kvstore.backends.memory import MemoryBackend
+    from kvstore.ops.inspect import verify_store
+
+    class Failing(MemoryBackend):
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            return [None] * len(names)  # as a backend answers a read that failed
+
+    be = Failing("mem://")
+    tier = Tier(be)
+    name = ChunkKey("llama", 1, 0, 0, namespace="a").object_name()
+    await tier.put_many([(name, torch.zeros(8))])
+    report = await verify_store(be)
+    assert report.unreadable == [name] and report.missing == 0 and report.ok == 0
+
+
 def test_gc_budget_oldest_first_and_age(tmp_path: Path) -> None:
     names = populate(tmp_path)
     be = DiskBackend(tmp_path)
