@@ -24,6 +24,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from kvstore.frame import FrameError
+from kvstore.keys import printable_name
 from kvstore.namespaces import namespace_of
 from kvstore.policy import Copy, Drop, Move
 from kvstore.tiered.inflight import Ticket
@@ -231,7 +232,19 @@ class Mover:
         if not await self._copy_bytes(name, src, dst):
             if (await p.tiers[dst].contains_many([name]))[0]:
                 return  # an earlier copy of the same name has landed it
-            p.forget(name, dst)
+            if p.forget(name, dst):
+                # A demotion whose copy failed: the source gave the name up when the move
+                # was planned (an object took its room there), so it leaves the store, as an
+                # eviction from the last tier does. Counted (the copy's error) and announced,
+                # so no caller goes on promising it; its source bytes go with the name's
+                # last copy, as for every name no tier keeps.
+                log.warning(
+                    "kvstore: %s could not be moved to %s (its copy failed); it leaves the store: "
+                    "the next read of it is a miss",
+                    printable_name(name),
+                    p.labels[dst],
+                )
+                p.gone([name])
             return
         p.metrics.moves.labels(m.kind, p.labels[dst]).inc()
         p.metrics.bytes_in.labels(p.labels[dst], namespace_of(name)).inc(m.size)

@@ -730,3 +730,41 @@ async def test_a_read_the_backend_failed_keeps_the_name_and_reads_the_copy_below
     got = await store.get_many([name(1)])
     assert got[0] is not None and torch.equal(got[0], chunk(1)) and upper.counters.gets > reads
     await store.close()
+
+
+async def test_a_demotion_whose_copy_fails_is_an_announced_drop() -> None:
+    """The upper tier gave a victim up for an incoming object; its copy to the tier below
+    fails. The name leaves the store as an eviction from the last tier does: off every
+    tier's books and backend, on_gone told (no caller goes on promising it), a counted
+    error, and the next read a miss; nothing else is lost."""
+
+    class RefusingPuts(MemoryBackend):
+        refusing = False
+
+        async def put_many(self, items):  # type: ignore[no-untyped-def]
+            if self.refusing:
+                return [False] * len(items)
+            return await super().put_many(items)
+
+    size = await frame_size()
+    upper, lower = MemoryBackend("mem://"), RefusingPuts("mem://")
+    store = TieredStore(
+        [TierSpec(Tier(upper), capacity=3 * size), TierSpec(Tier(lower), capacity=100 * size)]
+    )
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(i), chunk(i)) for i in range(3)])
+    await store.drain()
+    lower.refusing = True
+    await store.put_many([(name(3), chunk(3))])  # a victim of the three goes down, and fails to land
+    await store.drain()
+    assert len(gone) == 1
+    victim = gone[0]
+    assert all(victim not in t.resident for t in store.placement.tiers)
+    assert victim not in {i.name async for i in upper.list("")} | {i.name async for i in lower.list("")}
+    assert await store.get_many([victim]) == [None]
+    kept = [n for n in (name(i) for i in range(4)) if n != victim]
+    got = await store.get_many(kept)
+    assert all(t is not None and torch.equal(t, chunk(int(n[-6:]))) for n, t in zip(kept, got))
+    assert 'kvstore_errors_total{op="put",tier="tier1"} 1.0' in store.metrics.text()
+    await store.close()
