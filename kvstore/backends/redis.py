@@ -965,7 +965,8 @@ class RedisBackend(Backend):
         return removed
 
     async def retention_risks(self) -> builtins.list[str]:
-        """Expiry this backend sets (``ttl=``, ``ttl.<namespace>=``) and the server's own
+        """Expiry this backend sets (``ttl=``, ``ttl.<namespace>=``), a server that keeps
+        no append-only file (a restart loses what it held), and the server's own
         eviction: ``maxmemory-policy`` from CONFIG GET on every primary, or from INFO
         where CONFIG is not allowed (managed Redis).  ``volatile-*`` policies evict only
         keys with an expiry, which this backend sets only under a TTL; ``allkeys-*``
@@ -1000,7 +1001,33 @@ class RedisBackend(Backend):
                     f"maxmemory {maxmemory}); set maxmemory-policy noeviction "
                     "(CONFIG SET maxmemory-policy noeviction, or in redis.conf)"
                 )
+        try:
+            aof = await asyncio.wait_for(self._append_only(), self.options.deadline(0))
+        except Exception as exc:
+            return [
+                *risks,
+                f"cannot ask Redis at {where} whether it persists writes (INFO persistence failed: "
+                f"{type(exc).__name__}: {exc}), so a restart may lose them; allow INFO for this user",
+            ]
+        for node, enabled in sorted(aof.items()):
+            if not enabled:
+                label = f"at {where}" if node == "server" else f"node {node} of {where}"
+                risks.append(
+                    f"Redis {label} keeps no append-only file (appendonly no), so a restart loses what "
+                    "was written since its last snapshot, if any; set appendonly yes "
+                    "(CONFIG SET appendonly yes, or in redis.conf)"
+                )
         return risks
+
+    async def _append_only(self) -> dict[str, bool]:
+        """{node: whether its append-only file is on} of every primary (INFO persistence)."""
+        target = {"target_nodes": RedisCluster.PRIMARIES} if self.cluster else {}
+        answer = await self.client.info("persistence", **target)
+        if self.cluster and isinstance(answer, dict) and all(isinstance(v, dict) for v in answer.values()):
+            nodes = {str(k.decode() if isinstance(k, bytes) else k): v for k, v in answer.items()}
+        else:
+            nodes = {"server": dict(answer)}
+        return {node: str(info.get("aof_enabled", "0")) == "1" for node, info in nodes.items()}
 
     async def _maxmemory_policies(self) -> dict[str, tuple[str, str]]:
         """{node: (maxmemory-policy, maxmemory)} of every primary."""

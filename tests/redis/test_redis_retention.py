@@ -1,6 +1,7 @@
 """Redis: `retention_risks` names what may drop objects the store accepted: a TTL set by
-the URL (for every namespace or one), and the server's own eviction policy, asked from
-the server (CONFIG GET, or INFO where CONFIG is renamed away as managed Redis does)."""
+the URL (for every namespace or one), a server with no append-only file (a restart loses
+what it held), and the server's own eviction policy, asked from the server (CONFIG GET,
+or INFO where CONFIG is renamed away as managed Redis does)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ from kvstore.testing.redis_server import RedisServer, redis_available
 from tests.support.required import REDIS_INSTALL, require
 
 
-def serve(*extra: str) -> RedisServer:
+def serve(*extra: str, appendonly: bool = True) -> RedisServer:
     require(redis_available(), "redis-server", REDIS_INSTALL)
-    return RedisServer(extra=list(extra))
+    return RedisServer(extra=["--appendonly", "yes" if appendonly else "no", *extra])
+
+
+def not_about_persistence(risks: list[str]) -> list[str]:
+    return [r for r in risks if "appendonly" not in r]
 
 
 async def risks_of(url: str) -> list[str]:
@@ -24,15 +29,23 @@ async def risks_of(url: str) -> list[str]:
         await b.close()
 
 
-async def test_a_default_server_and_url_keep_everything(redis_url) -> None:  # type: ignore[no-untyped-def]
-    assert await risks_of(redis_url()) == []
-    assert await risks_of(redis_url(**{"ttl.scratch": "0"})) == []  # 0 = never expire
+async def test_a_persisting_server_and_a_plain_url_keep_everything() -> None:
+    with serve() as srv:
+        assert await risks_of(srv.url) == []
+        assert await risks_of(f"{srv.url}?ttl.scratch=0") == []  # 0 = never expire
+
+
+async def test_a_server_without_an_append_only_file_is_a_risk(redis_url) -> None:  # type: ignore[no-untyped-def]
+    """A restart of a server that keeps no append-only file loses what it held: the only
+    copy must not go there (redis_url's server runs with appendonly no)."""
+    (risk,) = await risks_of(redis_url())
+    assert "appendonly no" in risk and "set appendonly yes" in risk
 
 
 async def test_ttl_options_are_risks_naming_the_option(redis_url) -> None:  # type: ignore[no-untyped-def]
-    (every,) = await risks_of(redis_url(ttl="2"))
+    (every,) = not_about_persistence(await risks_of(redis_url(ttl="2")))
     assert "ttl=2s" in every and "drop ?ttl=" in every
-    (one,) = await risks_of(redis_url(**{"ttl.tenant": "60"}))
+    (one,) = not_about_persistence(await risks_of(redis_url(**{"ttl.tenant": "60"})))
     assert "ttl.tenant=60s" in one and "'tenant'" in one
 
 
@@ -60,11 +73,12 @@ async def test_a_server_that_will_not_say_is_a_risk() -> None:
 
 
 async def test_every_cluster_primary_is_asked(redis_cluster) -> None:  # type: ignore[no-untyped-def]
-    assert await risks_of(redis_cluster.url) == []
+    persistence = await risks_of(redis_cluster.url)  # the test cluster keeps no append-only files
+    assert persistence and all("appendonly no" in r for r in persistence)
     node = redis_cluster.nodes[1]
     node.command("CONFIG", "SET", "maxmemory-policy", "allkeys-lfu")
     try:
-        (risk,) = await risks_of(redis_cluster.url)
+        (risk,) = not_about_persistence(await risks_of(redis_cluster.url))
     finally:
         node.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
     assert f"{node.port}" in risk and "allkeys-lfu" in risk and "noeviction" in risk
