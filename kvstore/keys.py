@@ -229,6 +229,11 @@ def namespace_prefix(namespace: str, model: str | None = None) -> str:
     return prefix
 
 
+PROBE_PREFIX = "kvstore-migrate-probe/"
+"""Names `kvstore migrate` writes for a moment to tell two stores apart; listings of
+stored chunks (ls, stat, verify, gc, migrate) leave them out."""
+
+
 def listing_prefix(prefix: str, namespace: str | None, model: str | None = None) -> str | None:
     """The one prefix that lists the names under both `prefix` and the namespace (and
     model) given: the longer of the two when one extends the other, None when they are

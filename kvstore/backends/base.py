@@ -288,6 +288,12 @@ class Backend(abc.ABC):
             "recently used objects to stay under it; open it without capacity="
         ]
 
+    def key_space(self) -> tuple[str, str] | None:
+        """(where this store's keys live, its prefix there): two stores of one space whose
+        prefixes contain one another share keys (``s3://b`` and ``s3://b/p``). None where
+        that cannot be said from the URL (a directory of its own, process memory)."""
+        return None
+
     async def make_durable(self) -> None:  # noqa: B027 - optional hook
         """Make every object this backend has written so far survive a crash or power
         loss, where a successful put alone does not (a disk store's renames, until their

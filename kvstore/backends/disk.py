@@ -76,7 +76,7 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -234,7 +234,8 @@ def _write_object(
         raise
 
 
-def _sync_directories(dirs: set[Path]) -> None:
+def _sync_directories(dirs: Iterable[Path]) -> None:
+    """fsync each directory, in order (children before their parents)."""
     for d in dirs:
         fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
         try:
@@ -403,7 +404,6 @@ class DiskBackend(Backend):
             d.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity
         self.fsync = fsync
-        self._renamed_in: set[Path] = set()  # directories published into since `make_durable`
         self._sizes: dict[str, int] = {}  # sizes this process has seen (a cache, not the truth)
         self._reading: dict[str, int] = {}
         self.concurrency = concurrency
@@ -700,11 +700,15 @@ class DiskBackend(Backend):
         return risks
 
     async def make_durable(self) -> None:
-        """Sync the directories objects were renamed into since the last call: a rename is
-        on the disk only once its directory is (each file was synced before it)."""
+        """Sync every shard directory, the objects directory, the store's and the one
+        above it: a rename is on the disk only once its directory is (each file was
+        synced before it), and a directory made since it was last synced only once its
+        parent is. Every shard, not only those this process wrote into: an earlier run's
+        objects a rerun found in place count as copied too."""
         if not self.fsync:
             return
-        dirs, self._renamed_in = self._renamed_in, set()
+        shards = [self.objects_dir / s for s in SHARDS]
+        dirs = [*(d for d in shards if d.is_dir()), self.objects_dir, self.root, self.root.parent]
         await asyncio.to_thread(_sync_directories, dirs)
 
     async def close(self) -> None:
@@ -746,9 +750,7 @@ class DiskBackend(Backend):
                 self.counters.rejected += 1
                 return False
             try:
-                path = self.path_of(name)
-                await _write_object(path, name, parts, size, self.fsync, unsealed)
-                self._renamed_in.add(path.parent)
+                await _write_object(self.path_of(name), name, parts, size, self.fsync, unsealed)
             except OSError as exc:
                 self.counters.put_errors += 1
                 fatal = exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS)

@@ -221,6 +221,9 @@ def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
     return RedisOptions(ttl_by_namespace=tuple(ttls), **ours), passthrough
 
 
+AOF_SYNC_WAIT_S = 2.0  # `appendfsync everysec` syncs once a second; twice that, to be sure
+
+
 async def _all_settled(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
     """Run `coros` together and wait until every one has ended, then raise the first
     error. A plain gather raises at the first error while the rest run on: a part fetch
@@ -1015,9 +1018,15 @@ class RedisBackend(Backend):
                 risks.append(
                     f"Redis {label} keeps no append-only file (appendonly no), so a restart loses what "
                     "was written since its last snapshot, if any; set appendonly yes "
-                    "(CONFIG SET appendonly yes, or in redis.conf)"
+                    "(CONFIG SET appendonly yes, or in redis.conf), or, where the server cannot persist "
+                    "(a managed cache), keep the source"
                 )
         return risks
+
+    async def make_durable(self) -> None:
+        """Wait out the append-only file's sync: with ``appendfsync everysec`` (Redis's
+        default) what was written reaches the disk within about a second."""
+        await asyncio.sleep(AOF_SYNC_WAIT_S)
 
     async def _append_only(self) -> dict[str, bool]:
         """{node: whether its append-only file is on} of every primary (INFO persistence)."""
@@ -1087,6 +1096,13 @@ class RedisBackend(Backend):
 
         await self._run("stats", [job()], 0)
         return self.stats()
+
+    def key_space(self) -> tuple[str, str]:
+        """The server (host and port, socket path, or cluster seed as written, and the
+        database) and this store's key prefix there."""
+        u = urlsplit(self.url)
+        where = u.path if u.scheme == "unix" else f"{u.hostname}:{u.port or 6379}{u.path or '/0'}"
+        return f"redis:{where}", self.options.prefix
 
     def stats(self) -> BackendStats:
         """Counters plus the server figures of the last `refresh_stats` (no I/O here).

@@ -901,6 +901,11 @@ class S3Backend(Backend):
 
     # -- stats -------------------------------------------------------------------------
 
+    def key_space(self) -> tuple[str, str]:
+        o = self.options
+        endpoint = (o.endpoint_url or f"aws:{o.region or ''}").rstrip("/")
+        return f"s3:{endpoint}/{o.bucket}", f"{o.prefix}/" if o.prefix else ""
+
     def stats(self) -> BackendStats:
         o = self.options
         return BackendStats(

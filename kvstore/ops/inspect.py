@@ -28,7 +28,7 @@ from kvstore.frame import (
     decode_frame,
     read_header,
 )
-from kvstore.keys import ChunkKey, InvalidKeyError, listing_prefix
+from kvstore.keys import PROBE_PREFIX, ChunkKey, InvalidKeyError, listing_prefix
 from kvstore.options import option_int
 
 HEAD_BYTES = 4096
@@ -58,7 +58,7 @@ async def list_objects(backend: Backend, prefix: str = "", namespace: str | None
     found = listing_prefix(prefix, namespace)
     if found is None:  # a prefix outside the namespace: nothing is in both
         return []
-    return [i async for i in backend.list(found)]
+    return [i async for i in backend.list(found) if not i.name.startswith(PROBE_PREFIX)]
 
 
 def _header_cut(head: memoryview) -> bool:
@@ -197,12 +197,15 @@ async def verify_store(
                 proven=False,
             )
             return
+        errors = backend.counters.get_errors
         (raw,) = await backend.get_many([info.name])
         if raw is None:
-            if (await backend.contains_many([info.name]))[0]:
-                report.unreadable.append(info.name)  # a fault, not a deletion: rerun to check it
-            else:
-                report.missing += 1
+            if not (await backend.contains_many([info.name]))[0]:
+                report.missing += 1  # deleted or evicted since the listing
+            elif backend.counters.get_errors != errors:
+                report.unreadable.append(info.name)  # the read failed: a fault, rerun to check it
+            else:  # there, yet the backend's own checks read it as absent (a part lost)
+                await bad(info.name, "Incomplete: listed, but reads as absent (a part or its manifest is lost)")
             return
         try:
             decode_frame(raw, key=info.name)

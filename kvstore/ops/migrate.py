@@ -48,7 +48,7 @@ from kvstore.backends import Backend, ObjectInfo
 from kvstore.backends.base import redact_url
 from kvstore.buffers import BufferPool
 from kvstore.frame import FrameError, FrameHeader, read_header
-from kvstore.keys import ChunkKey, InvalidKeyError, listing_prefix, printable_name
+from kvstore.keys import PROBE_PREFIX, ChunkKey, InvalidKeyError, listing_prefix, printable_name
 from kvstore.ops.inspect import read_headers
 from kvstore.options import kvstore_home, option_int
 from kvstore.tier import check_frame, transcode
@@ -150,24 +150,31 @@ class _ByteBudget:
 
 
 class Journal:
-    """Names already copied and verified, one JSON string per line, append-only."""
+    """Names already copied, one JSON line each, append-only: a string for a copy read
+    back and checked, ``{"unverified": name}`` for one written with the read-back off
+    (`verified=False`), which only runs without the read-back may skip."""
 
-    def __init__(self, path: Path, *, fresh: bool = False) -> None:
+    def __init__(self, path: Path, *, fresh: bool = False, verified: bool = True) -> None:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         if fresh and path.exists():
             path.unlink()
+        self.verified = verified
         self.done: set[str] = set()
         if path.exists():
             for line in path.read_text("utf-8").splitlines():
                 try:
-                    self.done.add(json.loads(line))
+                    entry = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line cut short by a kill
+                if isinstance(entry, str):
+                    self.done.add(entry)
+                elif isinstance(entry, dict) and not verified and isinstance(entry.get("unverified"), str):
+                    self.done.add(entry["unverified"])
         self._fh = path.open("a", encoding="utf-8")
 
     def add(self, name: str) -> None:
-        self._fh.write(json.dumps(name) + "\n")
+        self._fh.write(json.dumps(name if self.verified else {"unverified": name}) + "\n")
         self._fh.flush()
         self.done.add(name)
 
@@ -176,7 +183,8 @@ class Journal:
 
 
 def journal_path(src: Backend, dst: Backend, opts: MigrateOptions) -> Path:
-    ident = [redact_url(src.url), redact_url(dst.url), opts.listing_prefix(), opts.model, opts.recode]
+    # "v2": journals before unverified runs were told apart hold their names as checked
+    ident = ["v2", redact_url(src.url), redact_url(dst.url), opts.listing_prefix(), opts.model, opts.recode]
     if not opts.verify_after_write:  # its names were never read back: a checked run may not skip them
         ident.append("unverified")
     ident_text = json.dumps(ident)
@@ -184,16 +192,25 @@ def journal_path(src: Backend, dst: Backend, opts: MigrateOptions) -> Path:
     return kvstore_home() / "migrations" / f"{digest}.jsonl"
 
 
-PROBE_PREFIX = "kvstore-migrate-probe/"
+def nested_stores(src: Backend, dst: Backend) -> bool:
+    """Whether `src` and `dst` keep their keys in one space with prefixes that contain
+    one another (``s3://b`` and ``s3://b/p``): the source's listing then holds the
+    destination's objects, copied into themselves and deleted."""
+    a, b = src.key_space(), dst.key_space()
+    return a is not None and b is not None and a[0] == b[0] and (a[1].startswith(b[1]) or b[1].startswith(a[1]))
 
 
 async def same_store(src: Backend, dst: Backend) -> bool:
     """Whether `src` and `dst` are one store under two URLs: a probe object of random
     bytes written to `dst` reads back from `src` (then it is deleted). URLs cannot tell:
     a path through a symbolic link, ``redis://h/0`` and ``redis://h:6379/0``, an S3
-    prefix with and without its slash all name one store."""
+    prefix with and without its slash all name one store. An answer that cannot be
+    trusted (the destination does not read its own probe back, the source's read
+    failed rather than found nothing) raises: the caller must not go on as if they
+    were two stores."""
     name = PROBE_PREFIX + secrets.token_hex(12)
     payload = secrets.token_bytes(64)
+    where = f"{redact_url(src.url)} and {redact_url(dst.url)}"
     (ok,) = await dst.put_many([(name, payload)])
     if not ok:
         raise ValueError(
@@ -201,7 +218,19 @@ async def same_store(src: Backend, dst: Backend) -> bool:
             f"({name}), so it cannot be told apart from the source; check the destination is writable"
         )
     try:
+        (back,) = await dst.get_many([name])
+        if back is None or bytes(back) != payload:
+            raise ValueError(
+                f"--delete-source refused: {redact_url(dst.url)} does not read back the probe object it "
+                f"was just given, so whether {where} are one store cannot be told; retry, or drop --delete-source"
+            )
+        errors = src.counters.get_errors
         (seen,) = await src.get_many([name])
+        if seen is None and src.counters.get_errors != errors:
+            raise ValueError(
+                f"--delete-source refused: the source's read of the probe object failed, so whether {where} "
+                "are one store cannot be told; retry when the source answers, or drop --delete-source"
+            )
         return seen is not None and bytes(seen) == payload
     finally:
         await dst.delete_many([name])
@@ -217,7 +246,11 @@ def _matches_source(dst: FrameHeader, src: FrameHeader, recode: str | None) -> b
 async def list_matching(src: Backend, opts: MigrateOptions) -> list[ObjectInfo]:
     """Matching source objects; what the listing could not read is left in ``src.unlisted``."""
     src.unlisted.clear()
-    return [info async for info in src.list(opts.listing_prefix()) if opts.matches(info.name)]
+    return [
+        info
+        async for info in src.list(opts.listing_prefix())
+        if opts.matches(info.name) and not info.name.startswith(PROBE_PREFIX)
+    ]
 
 
 async def migrate(
@@ -233,6 +266,13 @@ async def migrate(
     `progress(objects_done, bytes_done)` is called after each object.
     """
     if opts.delete_source and not opts.dry_run:
+        if nested_stores(src, dst):
+            raise ValueError(
+                f"--delete-source refused: {redact_url(src.url)} and {redact_url(dst.url)} keep their keys in "
+                "one space with prefixes that contain one another, so the source's listing holds destination "
+                "objects (each would be copied into itself and deleted). Give stores that do not overlap, "
+                "or drop --delete-source"
+            )
         risks = await dst.retention_risks()
         if risks:
             raise ValueError(
@@ -254,7 +294,7 @@ async def migrate(
     report.unlisted = list(src.unlisted)
     report.listed_bytes = sum(o.size for o in objects)
     target = codecs.get(opts.recode, **opts.recode_options) if opts.recode else None
-    journal = Journal(opts.journal or journal_path(src, dst, opts), fresh=opts.fresh)
+    journal = Journal(opts.journal or journal_path(src, dst, opts), fresh=opts.fresh, verified=opts.verify_after_write)
     budget = _ByteBudget(opts.max_inflight_bytes)
     tick = progress or (lambda n, b: None)
 

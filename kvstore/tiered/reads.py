@@ -29,11 +29,19 @@ if TYPE_CHECKING:
 UNAVAILABLE = 3  # a `ReadResult.status`: the tier did not answer (the object stays on the books)
 
 
+UNANSWERED_LIMIT = 3
+"""Reads in a row a name may be not found while its tier counts errors, before it counts
+as gone: a tier away for a moment keeps its names; one object failing every read (a
+file with an I/O error, a key of another type) or found gone beside such failures
+leaves the books."""
+
+
 class Reader:
     def __init__(self, parts: Parts, lookup: Lookup, mover: Mover) -> None:
         self.p = parts
         self.lookup = lookup
         self.mover = mover
+        self._unanswered: dict[tuple[int, str], int] = {}  # (tier, name) -> reads in a row
 
     async def get_many(self, names: Sequence[str], out: Sequence[Out] | None, now: float) -> list[torch.Tensor | None]:
         """Tensors for `names` (None = miss), from the highest tier holding each."""
@@ -82,11 +90,29 @@ class Reader:
         if counters.get_errors != errors:
             # A read failed in the backend (a reset connection, a 5xx, EIO): backends answer
             # those as absent, which alone would drop the names from the books (and tell
-            # LMCache they were deleted) while their bytes may well be there. Any name not
-            # found while errors were counted is a miss that keeps it on the books: lower
-            # tiers holding a copy are read instead, and a later read tells gone from away.
-            got = [ReadResult(None, UNAVAILABLE, 0) if r.status == GONE else r for r in got]
+            # LMCache they were deleted) while their bytes may well be there. A name not
+            # found while errors were counted is a miss that keeps it on the books (lower
+            # tiers holding a copy are read instead), up to UNANSWERED_LIMIT reads in a row.
+            got = [self._unanswered_or_gone(j, n, r) if r.status == GONE else self._answered(j, n, r) for n, r in zip(names, got)]
+        elif self._unanswered:
+            for n, r in zip(names, got):
+                self._answered(j, n, r)
         return got
+
+    def _answered(self, j: int, name: str, r: ReadResult) -> ReadResult:
+        self._unanswered.pop((j, name), None)
+        return r
+
+    def _unanswered_or_gone(self, j: int, name: str, r: ReadResult) -> ReadResult:
+        key = (j, name)
+        seen = self._unanswered.get(key, 0) + 1
+        if seen >= UNANSWERED_LIMIT:
+            self._unanswered.pop(key, None)
+            return r  # gone after all
+        if len(self._unanswered) >= 65536:  # names never read again: forget the oldest
+            del self._unanswered[next(iter(self._unanswered))]
+        self._unanswered[key] = seen
+        return ReadResult(None, UNAVAILABLE, 0)
 
     async def _read_group(
         self,

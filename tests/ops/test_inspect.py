@@ -82,6 +82,7 @@ def test_verify_quarantines_only_what_it_read_and_found_defective(tmp_path: Path
     code, out = run("verify", url, "--quarantine", "--json")
     report = json.loads(out.splitlines()[-1])
     assert code == 1 and report["foreign"] == [names[1]] and report["quarantined"] == 0
+    assert len(report["bad"]) == len(names) - 1  # every kvstore object is over the limit
     assert all("TooLarge" in why and "not read" in why for why in report["bad"].values())
     assert foreign.exists() and all(be.path_of(n).exists() for n in names)
 
@@ -94,6 +95,7 @@ async def test_verify_tells_an_unreadable_object_from_a_vanished_one() -> None:
 
     class Failing(MemoryBackend):
         async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            self.counters.get_errors += len(names)
             return [None] * len(names)  # as a backend answers a read that failed
 
     be = Failing("mem://")

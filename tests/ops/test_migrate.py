@@ -163,6 +163,34 @@ async def test_delete_source_into_the_source_under_another_url_is_refused(tmp_pa
     assert report.deleted == 3  # two stores: the probe lets it through
 
 
+async def test_delete_source_between_nested_prefixes_of_one_server_is_refused(tmp_path: Path, redis_url) -> None:  # type: ignore[no-untyped-def]
+    """One Redis, prefixes x: and x:y: (or the same server spelled with and without its
+    default port): the outer store's listing holds the inner one's objects."""
+    outer = redis_url(prefix="nest:")
+    inner = outer.replace("prefix=nest:", "prefix=nest:in:")
+    await fill(outer, 2)
+    for src_url, dst_url in ((outer, inner), (inner, outer)):
+        with pytest.raises(ValueError, match="contain one another"):
+            await migrate(open_backend(src_url), open_backend(dst_url), MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+
+
+async def test_a_probe_the_source_failed_to_read_is_no_answer(tmp_path: Path) -> None:
+    """The source's read of the probe fails (a reset, a 503): "not found" cannot be told
+    from "another store", so --delete-source stops instead of deleting."""
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 2)
+    src = open_backend(src_url)
+
+    async def failing_get(names, alloc=None):  # type: ignore[no-untyped-def]
+        src.counters.get_errors += len(names)
+        return [None] * len(names)
+
+    src.get_many = failing_get  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match="cannot be told"):
+        await migrate(src, open_backend((tmp_path / "dst").as_uri()), MigrateOptions(delete_source=True))
+    assert await open_backend(src_url).contains_many(list(data)) == [True] * 2
+
+
 async def test_delete_source_into_memory_or_unsynced_disk_is_refused(tmp_path: Path) -> None:
     """A mem:// store lives in this process only; a disk store with fsync=false can lose
     what it was given in a crash: neither may hold the only copy."""
@@ -226,6 +254,19 @@ async def test_delete_source_needs_the_read_back_and_its_own_journal(tmp_path: P
         text=True,
     )
     assert code.returncode == 2 and "drop --no-verify-after-write" in code.stderr
+
+    # one journal named for both runs: the unverified run's names are not skipped either
+    one = tmp_path / "one-journal"
+    src_url2, dst_url2 = (tmp_path / "src2").as_uri(), (tmp_path / "dst2").as_uri()
+    data2 = await fill(src_url2, 2)
+    await migrate(open_backend(src_url2), open_backend(dst_url2), MigrateOptions(verify_after_write=False, journal=one))
+    rot = DiskBackend(tmp_path / "dst2").path_of(next(iter(data2)))
+    blob = bytearray(rot.read_bytes())
+    blob[-5] ^= 0x10
+    rot.write_bytes(bytes(blob))
+    checked = await migrate(open_backend(src_url2), open_backend(dst_url2), MigrateOptions(delete_source=True, journal=one))
+    assert (checked.copied, checked.already_done, checked.deleted) == (1, 1, 2)
+    await assert_same(dst_url2, data2)
 
 
 async def test_recode_raw_to_cachegen_shrinks(tmp_path: Path) -> None:
@@ -414,7 +455,7 @@ async def test_delete_source_into_a_redis_with_ttl_is_refused(tmp_path: Path, re
     for options in ({"ttl": "2"}, {"ttl.tenant": "60"}):
         dst = open_backend(redis_url(**options))
         try:
-            with pytest.raises(ValueError, match="ttl"):
+            with pytest.raises(ValueError, match=r"after ttl(\.tenant)?=[0-9]+s"):
                 await migrate(
                     open_backend(src_url), dst, MigrateOptions(delete_source=True, journal=tmp_path / "j")
                 )

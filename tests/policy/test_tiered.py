@@ -768,3 +768,36 @@ async def test_a_demotion_whose_copy_fails_is_an_announced_drop() -> None:
     assert all(t is not None and torch.equal(t, chunk(int(n[-6:]))) for n, t in zip(kept, got))
     assert 'kvstore_errors_total{op="put",tier="tier1"} 1.0' in store.metrics.text()
     await store.close()
+
+
+async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few() -> None:
+    """A tier away for a moment keeps its names; an object that fails every read (a
+    file with an I/O error, a key of another type) is gone after UNANSWERED_LIMIT reads
+    in a row, and on_gone hears of it, so LMCache stops being promised it."""
+    from kvstore.tiered.reads import UNANSWERED_LIMIT
+
+    class FailsOne(MemoryBackend):
+        bad = ""
+
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            got = await super().get_many(names, alloc)
+            for k, n in enumerate(names):
+                if n == self.bad:  # as a backend answers a read that failed
+                    self.counters.get_errors += 1
+                    got[k] = None
+            return got
+
+    backend = FailsOne("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(1), chunk(1)), (name(2), chunk(2))])
+    backend.bad = name(1)
+    for _ in range(UNANSWERED_LIMIT - 1):
+        got = await store.get_many([name(1), name(2)])
+        assert got[0] is None and torch.equal(got[1], chunk(2))
+        assert name(1) in store.placement.tiers[0].resident and gone == []
+    await store.get_many([name(1)])
+    assert name(1) not in store.placement.tiers[0].resident and gone == [name(1)]
+    assert name(2) in store.placement.tiers[0].resident
+    await store.close()

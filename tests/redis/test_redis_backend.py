@@ -309,3 +309,22 @@ async def test_gathered_value_is_stored_as_one_value(redis_server, payload_size)
     assert r.get(layout.data_key("kv:", "ns/m/f-1-0/g")) == header + payload
     assert r.get(layout.data_key("kv:", "ns/m/f-1-0/h")) == payload + b"!"
     await b.close()
+
+
+async def test_verify_reports_an_object_that_lost_a_part_as_bad(redis_server):
+    """Listed, yet read as absent by the backend's own check (a part gone) with no error
+    counted: verify reports it bad (so --quarantine may take it), not "unreadable"."""
+    from kvstore.frame import encode_frame
+    from kvstore.ops.inspect import verify_store
+
+    b = open_backend(f"{redis_server.url}?part_size=1MiB&{FAST}")
+    r = raw(redis_server)
+    names = ["ns/m/vllm-1-0/whole", "ns/m/vllm-1-0/holed"]
+    for n in names:
+        assert await b.put(n, encode_frame([os.urandom(3 * MiB)], codec="raw", key=n))
+    manifest = layout.decode_manifest(r.get(layout.data_key("kv:", names[1])))
+    r.hdel(layout.parts_key("kv:", names[1]), manifest.fields()[1])
+    report = await verify_store(b)
+    assert report.ok == 1 and list(report.bad) == [names[1]] and "Incomplete" in report.bad[names[1]]
+    assert report.unreadable == []
+    await b.close()
