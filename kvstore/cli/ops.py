@@ -101,13 +101,14 @@ def _human(n: float) -> str:
     "--delete-source",
     is_flag=True,
     help="At the end, delete each source object whose verified copy the destination still holds "
-    "(refused for a destination that may drop objects: capacity=, a TTL, an evicting Redis, "
-    "an S3 lifecycle expiry).",
+    "(refused for a destination that may drop objects: capacity=, a TTL, an evicting Redis or one "
+    "with no append-only file, an S3 lifecycle expiry, mem://, fsync=false; for the source itself "
+    "under another URL or a prefix overlapping it; and with --no-verify-after-write).",
 )
 @click.option("--dry-run", is_flag=True, help="Say what would be copied; write nothing.")
 @click.option("--concurrency", default=4, show_default=True, type=click.IntRange(min=1))
 @click.option("--max-inflight", default="512MiB", show_default=True, help="Bytes held in memory at most.")
-@click.option("--no-verify-after-write", is_flag=True, help="Skip reading each object back.")
+@click.option("--no-verify-after-write", is_flag=True, help="Skip reading each object back (not with --delete-source).")
 @click.option("--fresh", is_flag=True, help="Forget what an earlier run of the same migration finished.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as one JSON object.")
 def migrate(
