@@ -708,8 +708,12 @@ class DiskBackend(Backend):
         if not self.fsync:
             return
         shards = [self.objects_dir / s for s in SHARDS]
-        dirs = [*(d for d in shards if d.is_dir()), self.objects_dir, self.root, self.root.parent]
+        dirs = [*(d for d in shards if d.is_dir()), self.objects_dir, self.root]
         await asyncio.to_thread(_sync_directories, dirs)
+        try:  # the store's own entry: best effort (the directory above may not be ours to open)
+            await asyncio.to_thread(_sync_directories, [self.root.parent])
+        except OSError as exc:
+            log.debug("kvstore disk: cannot sync %s: %s", self.root.parent, exc)
 
     async def close(self) -> None:
         if self._closed:

@@ -222,6 +222,7 @@ def parse_options(query: dict[str, str]) -> tuple[RedisOptions, dict[str, str]]:
 
 
 AOF_SYNC_WAIT_S = 2.0  # `appendfsync everysec` syncs once a second; twice that, to be sure
+WAITAOF_TIMEOUT_S = 10.0
 
 
 async def _all_settled(coros: Iterable[Coroutine[Any, Any, None]]) -> None:
@@ -1024,8 +1025,26 @@ class RedisBackend(Backend):
         return risks
 
     async def make_durable(self) -> None:
-        """Wait out the append-only file's sync: with ``appendfsync everysec`` (Redis's
-        default) what was written reaches the disk within about a second."""
+        """Wait until what was written is in the server's append-only file on its disk:
+        ``WAITAOF`` (Redis 7.2+) after one more write on the same connection, whose place
+        in the file is past every earlier write's. Where WAITAOF is not there (an older
+        server, a cluster), wait out ``appendfsync everysec``, Redis's default, which
+        syncs once a second."""
+        if not self.cluster:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.set(f"{self.options.prefix}durable-barrier", repr(time.time()), px=60_000)
+            pipe.execute_command("WAITAOF", 1, 0, int(WAITAOF_TIMEOUT_S * 1000))
+            try:
+                _, synced = await pipe.execute()
+            except ResponseError:  # no WAITAOF before Redis 7.2
+                await asyncio.sleep(AOF_SYNC_WAIT_S)
+                return
+            if int(synced[0]) < 1:
+                raise ValueError(
+                    f"Redis at {redact_url(self.url)} did not sync its append-only file within "
+                    f"{WAITAOF_TIMEOUT_S:g}s (WAITAOF)"
+                )
+            return
         await asyncio.sleep(AOF_SYNC_WAIT_S)
 
     async def _append_only(self) -> dict[str, bool]:
@@ -1097,12 +1116,17 @@ class RedisBackend(Backend):
         await self._run("stats", [job()], 0)
         return self.stats()
 
-    def key_space(self) -> tuple[str, str]:
-        """The server (host and port, socket path, or cluster seed as written, and the
-        database) and this store's key prefix there."""
-        u = urlsplit(self.url)
-        where = u.path if u.scheme == "unix" else f"{u.hostname}:{u.port or 6379}{u.path or '/0'}"
-        return f"redis:{where}", self.options.prefix
+    def key_space(self) -> tuple[str, str] | None:
+        """The server (host and port or socket path, and database, as the client connects)
+        and this store's keys' start there, ``PREFIX{``: keys are ``PREFIX{name}``, so
+        ``x:`` and ``x:y:`` share none. None for a cluster (its seeds need not be the
+        nodes; the probe object still tells one store under two URLs)."""
+        if self.cluster:
+            return None
+        kw = self.client.connection_pool.connection_kwargs
+        path = kw.get("path")
+        where = f"unix:{path}" if path else f"{str(kw.get('host', 'localhost')).lower()}:{kw.get('port', 6379)}"
+        return f"redis:{where}/{int(kw.get('db') or 0)}", self.options.prefix + "{"
 
     def stats(self) -> BackendStats:
         """Counters plus the server figures of the last `refresh_stats` (no I/O here).

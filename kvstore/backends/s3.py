@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from email.utils import parsedate_to_datetime
 from functools import partial
 from typing import Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 import aiohttp
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
@@ -902,8 +903,17 @@ class S3Backend(Backend):
     # -- stats -------------------------------------------------------------------------
 
     def key_space(self) -> tuple[str, str]:
+        """(endpoint and bucket, ``prefix/``): AWS bucket names are global, so any AWS
+        endpoint is one space; others by scheme, host and port, normalised."""
         o = self.options
-        endpoint = (o.endpoint_url or f"aws:{o.region or ''}").rstrip("/")
+        endpoint = "aws"
+        if o.endpoint_url:
+            u = urlsplit(o.endpoint_url if "://" in o.endpoint_url else f"https://{o.endpoint_url}")
+            host = (u.hostname or "").lower()
+            if not (host == "amazonaws.com" or host.endswith(".amazonaws.com")):
+                scheme = (u.scheme or "https").lower()
+                port = u.port or (443 if scheme == "https" else 80)
+                endpoint = f"{scheme}://{host}:{port}"
         return f"s3:{endpoint}/{o.bucket}", f"{o.prefix}/" if o.prefix else ""
 
     def stats(self) -> BackendStats:

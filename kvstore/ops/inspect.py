@@ -199,6 +199,10 @@ async def verify_store(
             return
         errors = backend.counters.get_errors
         (raw,) = await backend.get_many([info.name])
+        if raw is None and backend.counters.get_errors == errors:
+            # read as absent with no error: maybe an overwrite swapped it under the read
+            # (a Redis multi-part value's old parts go): one more read before calling it bad
+            (raw,) = await backend.get_many([info.name])
         if raw is None:
             if not (await backend.contains_many([info.name]))[0]:
                 report.missing += 1  # deleted or evicted since the listing

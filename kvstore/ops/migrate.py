@@ -161,8 +161,9 @@ class Journal:
             path.unlink()
         self.verified = verified
         self.done: set[str] = set()
-        if path.exists():
-            for line in path.read_text("utf-8").splitlines():
+        text = path.read_text("utf-8") if path.exists() else ""
+        if text:
+            for line in text.splitlines():
                 try:
                     entry = json.loads(line)
                 except json.JSONDecodeError:
@@ -172,6 +173,8 @@ class Journal:
                 elif isinstance(entry, dict) and not verified and isinstance(entry.get("unverified"), str):
                     self.done.add(entry["unverified"])
         self._fh = path.open("a", encoding="utf-8")
+        if text and not text.endswith("\n"):
+            self._fh.write("\n")  # a line a kill cut short ends here, not glued to the next
 
     def add(self, name: str) -> None:
         self._fh.write(json.dumps(name if self.verified else {"unverified": name}) + "\n")
@@ -454,7 +457,14 @@ async def migrate(
     try:
         await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
         if opts.delete_source and not opts.dry_run:
-            await dst.make_durable()  # (a disk store's renames: on the disk before any source goes)
+            try:  # (a disk store's renames, Redis's append-only file: on the disk before any source goes)
+                await dst.make_durable()
+            except (OSError, ValueError) as exc:
+                raise ValueError(
+                    f"--delete-source stopped before deleting anything: {redact_url(dst.url)} could not make "
+                    f"what it was given durable ({type(exc).__name__}: {exc}); every source is kept and the copies "
+                    "stay. Rerun once that is fixed, or drop --delete-source"
+                ) from exc
             await delete_settled()
     finally:
         journal.close()

@@ -87,24 +87,32 @@ class Reader:
         counters = p.tiers[j].backend.counters
         errors = counters.get_errors
         got = await p.guard.call(j, p.tiers[j].read_into(names, outs, p.pool), fallback, "get")
-        if counters.get_errors != errors:
+        failed = counters.get_errors - errors
+        if failed:
             # A read failed in the backend (a reset connection, a 5xx, EIO): backends answer
             # those as absent, which alone would drop the names from the books (and tell
             # LMCache they were deleted) while their bytes may well be there. A name not
             # found while errors were counted is a miss that keeps it on the books (lower
-            # tiers holding a copy are read instead), up to UNANSWERED_LIMIT reads in a row.
-            got = [self._unanswered_or_gone(j, n, r) if r.status == GONE else self._answered(j, n, r) for n, r in zip(names, got)]
+            # tiers holding a copy are read instead). While the tier answers other reads
+            # of the batch (or fails fewer than it did not find), the name's own streak
+            # counts, and UNANSWERED_LIMIT reads in a row make it gone; a tier failing
+            # everything (away, restarting) keeps every name for as long as it is away.
+            answering = failed < sum(r.status == GONE for r in got) or any(r.status in (HIT, DECLINED) for r in got)
+            got = [self._not_found(j, n, r, answering) if r.status == GONE else self._answered(j, n, r) for n, r in zip(names, got)]
         elif self._unanswered:
             for n, r in zip(names, got):
                 self._answered(j, n, r)
         return got
 
     def _answered(self, j: int, name: str, r: ReadResult) -> ReadResult:
-        self._unanswered.pop((j, name), None)
+        if r.status != UNAVAILABLE:  # (a read the tier did not answer continues a streak)
+            self._unanswered.pop((j, name), None)
         return r
 
-    def _unanswered_or_gone(self, j: int, name: str, r: ReadResult) -> ReadResult:
+    def _not_found(self, j: int, name: str, r: ReadResult, answering: bool) -> ReadResult:
         key = (j, name)
+        if not answering:
+            return ReadResult(None, UNAVAILABLE, 0)
         seen = self._unanswered.get(key, 0) + 1
         if seen >= UNANSWERED_LIMIT:
             self._unanswered.pop(key, None)

@@ -163,15 +163,29 @@ async def test_delete_source_into_the_source_under_another_url_is_refused(tmp_pa
     assert report.deleted == 3  # two stores: the probe lets it through
 
 
-async def test_delete_source_between_nested_prefixes_of_one_server_is_refused(tmp_path: Path, redis_url) -> None:  # type: ignore[no-untyped-def]
-    """One Redis, prefixes x: and x:y: (or the same server spelled with and without its
-    default port): the outer store's listing holds the inner one's objects."""
-    outer = redis_url(prefix="nest:")
-    inner = outer.replace("prefix=nest:", "prefix=nest:in:")
-    await fill(outer, 2)
-    for src_url, dst_url in ((outer, inner), (inner, outer)):
-        with pytest.raises(ValueError, match="contain one another"):
-            await migrate(open_backend(src_url), open_backend(dst_url), MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+@pytest.mark.parametrize(
+    ("a", "b", "nested"),
+    [
+        ("s3://b?endpoint_url=http://127.0.0.1:9000", "s3://b/p?endpoint_url=http://127.0.0.1:9000", True),
+        ("s3://b/p/q?endpoint_url=http://127.0.0.1:9000/", "s3://b/p?endpoint_url=HTTP://127.0.0.1:9000", True),
+        ("s3://b/a?endpoint_url=http://127.0.0.1:9000", "s3://b/ab?endpoint_url=http://127.0.0.1:9000", False),
+        ("s3://b/a?endpoint_url=http://127.0.0.1:9000", "s3://c/a?endpoint_url=http://127.0.0.1:9000", False),
+        ("s3://b/a?endpoint_url=http://127.0.0.1:9000", "s3://b/a?endpoint_url=http://127.0.0.1:9001", False),
+        ("s3://b", "s3://b/p?region=eu-west-1", True),  # AWS bucket names are global
+        ("s3://b", "s3://b/p?endpoint_url=https://s3.eu-west-1.amazonaws.com", True),
+        ("redis://127.0.0.1/0?prefix=x:", "redis://127.0.0.1:6379/0?prefix=x:y:", False),  # x:{… and x:y:{…
+        ("redis://127.0.0.1/0?prefix=x:", "redis://127.0.0.1:6379/0?prefix=x:", True),
+        ("redis://127.0.0.1/0?prefix=x:", "redis://127.0.0.1:6379/1?prefix=x:", False),
+    ],
+)
+def test_stores_sharing_keys_are_told_from_their_urls(a: str, b: str, nested: bool) -> None:
+    """Two stores whose keys share one space and whose prefixes contain one another (the
+    source's listing would hold destination objects, copied into themselves and deleted):
+    told from the URLs alone, with equal spellings of one endpoint, server or database."""
+    from kvstore.ops.migrate import nested_stores
+
+    src, dst = open_backend(a), open_backend(b)
+    assert nested_stores(src, dst) is nested and nested_stores(dst, src) is nested
 
 
 async def test_a_probe_the_source_failed_to_read_is_no_answer(tmp_path: Path) -> None:

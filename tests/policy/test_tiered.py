@@ -791,13 +791,42 @@ async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few() ->
     store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
     gone: list[str] = []
     store.on_gone = gone.extend
-    await store.put_many([(name(1), chunk(1)), (name(2), chunk(2))])
+    await store.put_many([(name(i), chunk(i)) for i in (1, 2, 3)])
     backend.bad = name(1)
     for _ in range(UNANSWERED_LIMIT - 1):
         got = await store.get_many([name(1), name(2)])
         assert got[0] is None and torch.equal(got[1], chunk(2))
         assert name(1) in store.placement.tiers[0].resident and gone == []
-    await store.get_many([name(1)])
+    await store.get_many([name(3), name(1)])  # the tier answers the batch's other read: not away
     assert name(1) not in store.placement.tiers[0].resident and gone == [name(1)]
-    assert name(2) in store.placement.tiers[0].resident
+    assert name(2) in store.placement.tiers[0].resident and name(3) in store.placement.tiers[0].resident
+    await store.close()
+
+
+async def test_a_tier_failing_every_read_keeps_its_names_however_long() -> None:
+    """Away (restarting, unreachable) as far as every read can tell: no name is taken for
+    gone, however many reads fail; once it answers, every one is served from it."""
+
+    class Away(MemoryBackend):
+        away = False
+
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            if self.away:
+                self.counters.get_errors += len(names)
+                return [None] * len(names)
+            return await super().get_many(names, alloc)
+
+    backend = Away("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(1), chunk(1)), (name(2), chunk(2))])
+    backend.away = True
+    for _ in range(5):
+        assert await store.get_many([name(1), name(2)]) == [None, None]
+        assert await store.get_many([name(1)]) == [None]
+    assert gone == [] and {name(1), name(2)} <= set(store.placement.tiers[0].resident)
+    backend.away = False
+    got = await store.get_many([name(1), name(2)])
+    assert torch.equal(got[0], chunk(1)) and torch.equal(got[1], chunk(2))
     await store.close()

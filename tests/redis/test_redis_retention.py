@@ -82,3 +82,21 @@ async def test_every_cluster_primary_is_asked(redis_cluster) -> None:  # type: i
     finally:
         node.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
     assert f"{node.port}" in risk and "allkeys-lfu" in risk and "noeviction" in risk
+
+
+async def test_delete_source_into_a_persisting_redis_deletes_after_its_sync(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Into a Redis with an append-only file and no eviction, --delete-source goes
+    through: every object is there, every source gone (make_durable waited for the sync
+    first: WAITAOF, or a wait past appendfsync everysec on a server without it)."""
+    from kvstore.ops.migrate import MigrateOptions, migrate
+    from tests.ops.test_migrate import assert_same, fill
+
+    src_url = (tmp_path / "src").as_uri()
+    data = await fill(src_url, 3)
+    with serve() as srv:
+        src, dst = open_backend(src_url), open_backend(srv.url)
+        report = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+        assert (report.copied, report.deleted, report.lost) == (3, 3, [])
+        assert await src.contains_many(list(data)) == [False] * 3
+        await assert_same(srv.url, data)
+        await dst.close()
