@@ -368,6 +368,8 @@ def gc(
         )
     for name in report.not_deleted:
         click.echo(f"could not delete: {printable_name(name)}", err=True)
+    for name in report.foreign:
+        click.echo(f"not a kvstore frame, left as it is: {printable_name(name)}", err=True)
     for name in report.uploads_not_aborted:
         click.echo(f"could not abort the unfinished upload of: {printable_name(name)}", err=True)
     if _report_unlisted(report.unlisted) or report.not_deleted or report.uploads_not_aborted:

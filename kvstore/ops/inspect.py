@@ -245,6 +245,7 @@ class GcReport:
     uploads_not_aborted: list[str] = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
     not_deleted: list[str] = field(default_factory=list)  # chosen, but still there after delete
+    foreign: list[str] = field(default_factory=list)  # not kvstore frames (another program's keys): left
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -266,12 +267,21 @@ async def gc_store(
     finished, whose parts the server keeps until they are aborted).
 
     With `namespace`, only that namespace is considered and `max_bytes` is its budget.
-    Age is the frame's creation time where readable, else the object's mtime.
+    Age is the frame's creation time where readable, else the object's mtime. Objects
+    that are not kvstore frames (no frame magic) are reported in ``foreign`` and left.
     """
-    objects = await list_objects(backend, prefix, namespace)
-    headers = await read_headers(backend, [o.name for o in objects], sizes=[o.size for o in objects])
-    created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(objects, headers)}
+    listed = await list_objects(backend, prefix, namespace)
     report = GcReport(url=redact_url(backend.url), dry_run=dry_run, unlisted=list(backend.unlisted))
+    headers = await read_headers(backend, [o.name for o in listed], sizes=[o.size for o in listed])
+    # An object whose header cannot be read is ours when it starts with the frame magic
+    # (a damaged frame: collectable); without it, another program's key under the prefix,
+    # never deleted here and left out of the budget.
+    unknown = [o for o, h in zip(listed, headers) if h is None]
+    heads = await backend.read_heads([o.name for o in unknown], len(MAGIC)) if unknown else []
+    report.foreign = [o.name for o, head in zip(unknown, heads) if head is not None and bytes(head[: len(MAGIC)]) != MAGIC]
+    foreign = set(report.foreign)
+    objects = [o for o in listed if o.name not in foreign]
+    created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(listed, headers)}
     report.before_objects = len(objects)
     report.before_bytes = sum(o.size for o in objects)
     now = time.time()

@@ -125,6 +125,26 @@ def test_gc_budget_oldest_first_and_age(tmp_path: Path) -> None:
     assert sorted(json.loads(out)["deleted"]) == sorted(names[4:])
 
 
+def test_gc_leaves_what_is_not_a_kvstore_frame(tmp_path: Path) -> None:
+    """Another program's object under the prefix is neither deleted (by age or budget)
+    nor counted in the budget; a damaged kvstore frame (its magic still there) is ours
+    to collect."""
+    names = populate(tmp_path)
+    be = DiskBackend(tmp_path)
+    foreign = be.path_of(names[1])
+    foreign.write_bytes(b"another program's bytes")
+    damaged = be.path_of(names[2])
+    blob = bytearray(damaged.read_bytes())
+    blob[8] ^= 0xFF  # inside the header: unreadable, the magic intact
+    damaged.write_bytes(bytes(blob))
+    time.sleep(1.1)
+    code, out = run("gc", tmp_path.as_uri(), "--older-than", "1s", "--json")
+    report = json.loads(out.splitlines()[0])
+    assert code == 0 and report["foreign"] == [names[1]] and names[1] not in report["deleted"]
+    assert names[2] in report["deleted"] and report["before_objects"] == len(names) - 1
+    assert foreign.exists() and not damaged.exists()
+
+
 def test_gc_refuses_a_budget_that_would_delete_everything(tmp_path: Path) -> None:
     """Values a size parser reads as "no limit" (or a fraction of a byte) are no budget to
     keep: gc refuses them, deletes nothing, and says how to delete everything on purpose."""
@@ -199,7 +219,7 @@ async def test_gc_removes_redis_leftover_parts(redis_url) -> None:  # type: igno
     assert await b.put(name, os.urandom(2 << 20))  # one big single-part value leaves the old parts behind
     await b.close()
     code, out = await asyncio.to_thread(run, "gc", url, "--max-bytes", "1TiB", "--json")
-    report = json.loads(out)
+    report = json.loads(out.splitlines()[0])  # (then a line on stderr: the value is no frame, so left)
     assert code == 0 and report["deleted"] == [] and report["leftovers_removed"] == 1
     b = open_backend(url)
     assert len(await b.get(name)) == 2 << 20  # the live value is untouched
