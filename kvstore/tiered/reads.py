@@ -149,8 +149,15 @@ class Reader:
             if status == GONE and placed != src:
                 # read where its bytes were while a copy was landing; it may just have landed
                 tensor, status, _ = (await self.read_tier(placed, [name], target))[0]
-            if status == UNAVAILABLE:
-                # the tier did not answer: a lower tier holding a copy may (write-through)
+            if status == GONE and p.inflight.placements(name, placed) == mark:
+                # the engine believed it held: the object is gone (evicted by the backend,
+                # maybe for another process's write) or was corrupt: off that tier's books.
+                # Unless the name was deleted and placed in that tier anew while this read
+                # was under way: the newer object's bytes are not the ones found gone
+                p.lost(placed, [name])
+            if status in (UNAVAILABLE, GONE):
+                # the tier did not answer, or no longer holds it: a lower tier holding a
+                # copy may serve it (write-through)
                 for k in range(placed + 1, len(p.tiers)):
                     if name in p.placement.tiers[k].resident and not p.guard.refusing(k):
                         tensor, status, _ = (await self.read_tier(k, [name], target))[0]
@@ -158,17 +165,9 @@ class Reader:
                             placed = at = k
                             break
                 if status != HIT:
-                    continue  # still on the books: it is a miss only while the tier is away
+                    continue  # a counted miss (kept on the books while the tier is away)
             if status == DECLINED:
                 continue  # still stored: the caller did not take it
-            if tensor is None:
-                # the engine believed it held: the object is gone (evicted by the backend,
-                # maybe for another process's write) or was corrupt; a counted miss.  Unless
-                # the name was deleted and placed in that tier anew while this read was under
-                # way: the newer object's bytes are not the ones found gone
-                if p.inflight.placements(name, placed) == mark:
-                    p.lost(placed, [name])
-                continue
             result[i] = tensor
             served[i] = True
             ns = namespace_of(name)

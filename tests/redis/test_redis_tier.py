@@ -49,3 +49,33 @@ async def test_ttl_by_namespace_from_configuration(redis_server):
     assert 29_000 < r.pttl(data_key("kv:", "b/m/f-1-0/x")) <= 30_000  # the URL wins
     assert r.pttl(data_key("kv:", "c/m/f-1-0/x")) == -1
     await b.close()
+
+
+async def test_a_redis_outage_keeps_its_names_while_the_disk_copy_below_serves(redis_server, tmp_path):
+    """Redis down: a read of its names fails (counted), which is no proof they are gone:
+    they stay on Redis's books, the write-through disk copy serves them, and on_gone hears
+    nothing. Back up empty (no persistence): found gone without an error, they are off
+    Redis's books, and the disk copy serves them in the same read (then promotes them
+    back: Redis's books and Redis agree)."""
+    from kvstore.tiered import TieredStore
+
+    store = TieredStore.from_urls([f"{redis_server.url}?{FAST}", f"file://{tmp_path}?fsync=false&write=through"])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    name = ChunkKey("m", 1, 0, 9).object_name()
+    t = torch.arange(4096, dtype=torch.float32)
+    assert await store.put_many([(name, t)]) == [True]
+    await store.drain()
+    redis_server.kill()
+    for _ in range(4):
+        (got,) = await store.get_many([name])
+        assert got is not None and torch.equal(got, t)
+        assert name in store.placement.tiers[0].resident and gone == []
+    redis_server.start()  # same port, empty
+    for _ in range(3):  # found gone in Redis (no error now): served from disk, promoted back
+        (got,) = await store.get_many([name])
+        assert got is not None and torch.equal(got, t)
+    await store.drain()
+    assert gone == [] and name in store.placement.tiers[1].resident
+    assert await store.tiers[0].backend.contains_many([name]) == [name in store.placement.tiers[0].resident]
+    await store.close()
