@@ -1,0 +1,270 @@
+"""Time to first token of vLLM with LMCache's MP server over kvstore, end to end.
+
+One offline vLLM engine per mode, each in its own process, on one GPU:
+
+* ``none``: no connector; every prompt is prefilled (what a server without a KV cache pays);
+* ``kvstore``: LMCache's MP connector and server (``python -m lmcache.v1.multiprocess.server``)
+  with kvstore's L2 adapter on a local directory;
+* ``fs``: the same with LMCache's own ``fs`` L2 adapter on a local directory (the peer).
+
+vLLM's own prefix cache is off, so a repeated prompt is either prefilled again or loaded
+through LMCache. Each round sends ``--prompts`` new prompts (``cold``: prefill, and the
+connector stores the KV), waits for the stores to settle, then repeats the oldest
+``--repeats`` of them (``l2``: the server's L1 holds fewer prompts than were stored, so
+these come from the L2 adapter) and then the same ones again (``l1``: now in the server's
+memory). TTFT is the wall time of ``generate`` with ``max_tokens=1`` for one prompt;
+``cached`` is vLLM's count of prompt tokens it did not compute. Rounds are interleaved
+across phases, and the figures are min / median / max over all rounds.
+
+The model is random (``load_format="dummy"``) with the shape of a Llama-3-8B by default:
+no weights or tokenizer are needed, and compute and KV bytes per token are those of the
+real model. Token ids of the cold and loaded runs are compared (``same_token``) as a
+check that loaded KV is the KV that was stored.
+
+    python3 benchmarks/bench_vllm_e2e.py --out e2e.json [--modes none,kvstore,fs]
+        [--prompt-tokens 8192] [--prompts 6] [--repeats 3] [--rounds 2] [--l1-gb 3]
+
+Needs vLLM, LMCache 0.5.6 and a CUDA device; ``kvstore_lmcache`` must be importable in
+the server's environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+READY = "LMCache cache server is running"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def adapter_spec(mode: str, root: Path) -> dict[str, Any]:
+    if mode == "kvstore":
+        return {
+            "type": "plugin",
+            "module_path": "kvstore_lmcache.l2_adapter",
+            "class_name": "KVStoreL2Adapter",
+            "adapter_params": {"tiers": [f"file://{root}/kvstore?fsync=false"]},
+        }
+    if mode == "fs":
+        return {"type": "fs", "base_path": f"{root}/lmcache-fs"}
+    raise ValueError(f"no L2 adapter for mode {mode!r}")
+
+
+def start_server(mode: str, root: Path, port: int, args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], Path]:
+    log = root / f"server-{mode}.log"
+    cmd = [
+        sys.executable, "-m", "lmcache.v1.multiprocess.server",
+        "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(args.chunk_size),
+        "--l1-size-gb", str(args.l1_gb), "--eviction-policy", "LRU", "--disable-observability",
+        "--l2-adapter", json.dumps(adapter_spec(mode, root)),
+    ]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + args.server_timeout
+    while time.monotonic() < deadline:
+        if READY in log.read_text(errors="replace"):
+            return proc, log
+        if proc.poll() is not None:
+            break
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"LMCache server ({mode}) did not start; its log:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+def child(mode: str, args: argparse.Namespace) -> None:
+    """One engine, one mode; prints one JSON line per sample and a last 'done' line."""
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    root = Path(args.workdir)
+    model_dir = root / "model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.json").write_text(json.dumps(LLAMA_8B))
+    server = None
+    kw: dict[str, Any] = {}
+    if mode != "none":
+        from vllm.config import KVTransferConfig
+
+        port = free_port()
+        server, _ = start_server(mode, root, port, args)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="LMCacheMPConnector",
+            kv_connector_module_path="lmcache.integration.vllm.lmcache_mp_connector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
+        )
+    n = args.prompt_tokens
+    try:
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+            enable_prefix_caching=False, gpu_memory_utilization=args.gpu_util, max_model_len=n + 64,
+            max_num_batched_tokens=n + 64, max_num_seqs=4, dtype="bfloat16", seed=0, **kw,
+        )
+        print(json.dumps({"mode": mode, "event": "ready", "startup_s": time.perf_counter() - t0}), flush=True)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+        rng = random.Random(1234)
+
+        def prompt() -> list[int]:
+            return [rng.randrange(1000, 120000) for _ in range(n)]
+
+        def run(ids: list[int]) -> tuple[float, int, int]:
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
+            dt = time.perf_counter() - t
+            return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0])
+
+        for _ in range(2):  # warm-up, not counted
+            run(prompt())
+        time.sleep(args.settle_s)
+        for rnd in range(args.rounds):
+            prompts = [prompt() for _ in range(args.prompts)]
+            first: dict[int, int] = {}
+            for i, ids in enumerate(prompts):
+                dt, cached, tok = run(ids)
+                first[i] = tok
+                print(json.dumps({"mode": mode, "round": rnd, "phase": "cold", "i": i, "ttft_s": dt, "cached": cached}), flush=True)
+                time.sleep(0.3)
+            if mode == "none":
+                continue
+            time.sleep(args.settle_s)
+            for phase in ("l2", "l1"):
+                for i in range(args.repeats):
+                    dt, cached, tok = run(prompts[i])
+                    rec = {"mode": mode, "round": rnd, "phase": phase, "i": i, "ttft_s": dt, "cached": cached,
+                           "same_token": tok == first[i]}
+                    print(json.dumps(rec), flush=True)
+        l2 = dir_bytes(root / ("kvstore" if mode == "kvstore" else "lmcache-fs"))
+        print(json.dumps({"mode": mode, "event": "done", "l2_bytes": l2}), flush=True)
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                server.kill()
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if "phase" not in r:
+            continue
+        key = f"{r['mode']}/{r['phase']}"
+        out.setdefault(key, {"ttft_ms": [], "cached": [], "same_token": []})
+        out[key]["ttft_ms"].append(r["ttft_s"] * 1e3)
+        out[key]["cached"].append(r["cached"])
+        if "same_token" in r:
+            out[key]["same_token"].append(r["same_token"])
+    table = {}
+    for key, v in out.items():
+        t = v["ttft_ms"]
+        table[key] = {
+            "n": len(t), "min_ms": round(min(t), 1), "median_ms": round(statistics.median(t), 1),
+            "max_ms": round(max(t), 1), "median_cached": statistics.median(v["cached"]),
+            "same_token": f"{sum(v['same_token'])}/{len(v['same_token'])}" if v["same_token"] else "",
+        }
+    base = table.get("none/cold", {}).get("median_ms")
+    if base:
+        for v in table.values():
+            v["vs_no_cache"] = round(v["median_ms"] / base, 3)
+    return table
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="none,kvstore,fs")
+    ap.add_argument("--prompt-tokens", type=int, default=8192)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--chunk-size", type=int, default=256)
+    ap.add_argument("--l1-gb", type=float, default=3.0)
+    ap.add_argument("--gpu-util", type=float, default=0.5)
+    ap.add_argument("--settle-s", type=float, default=2.0)
+    ap.add_argument("--server-timeout", type=float, default=120.0)
+    ap.add_argument("--mode-timeout", type=float, default=300.0)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--child", default="")
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args)
+        return
+    rows: list[dict[str, Any]] = []
+    errors: dict[str, str] = {}
+    for mode in args.modes.split(","):
+        work = Path(tempfile.mkdtemp(prefix=f"e2e-{mode}-"))
+        cmd = [sys.executable, __file__, "--child", mode, "--workdir", str(work)]
+        for k in ("prompt_tokens", "prompts", "repeats", "rounds", "chunk_size", "l1_gb", "gpu_util", "settle_s",
+                  "server_timeout"):
+            cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout)
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + "\n(timed out)"
+            rc = -1
+        for line in out.splitlines():
+            if line.startswith("{"):
+                rows.append(json.loads(line))
+                print(line, flush=True)
+        if rc != 0:
+            errors[mode] = err[-6000:]
+            print(f"--- mode {mode} failed (rc {rc}):\n{err[-6000:]}", flush=True)
+        for log in work.glob("server-*.log"):
+            text = log.read_text(errors="replace")
+            print(f"--- {log.name} (last 1500 chars):\n{text[-1500:]}", flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+    table = summarise(rows)
+    for key, v in table.items():
+        print(key, v)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "table": table, "errors": errors}, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    main()
