@@ -33,7 +33,9 @@ UNANSWERED_LIMIT = 3
 """Reads in a row a name may be not found while its tier counts errors, before it counts
 as gone: a tier away for a moment keeps its names; one object failing every read (a
 file with an I/O error, a key of another type) or found gone beside such failures
-leaves the books."""
+leaves the books. A failed read counts towards it when the tier answered other reads in
+the same batch, or in any read since the name's last failed one (so an object read
+alone, batch after batch, leaves too); a tier that answers nothing counts nothing."""
 
 
 class Reader:
@@ -41,7 +43,9 @@ class Reader:
         self.p = parts
         self.lookup = lookup
         self.mover = mover
-        self._unanswered: dict[tuple[int, str], int] = {}  # (tier, name) -> reads in a row
+        # (tier, name) -> (failed reads counted in a row, the tier's answers at the last one)
+        self._unanswered: dict[tuple[int, str], tuple[int, int]] = {}
+        self._answers: list[int] = [0] * len(parts.tiers)  # reads each tier answered (found or not)
 
     async def get_many(self, names: Sequence[str], out: Sequence[Out] | None, now: float) -> list[torch.Tensor | None]:
         """Tensors for `names` (None = miss), from the highest tier holding each."""
@@ -88,6 +92,10 @@ class Reader:
         errors = counters.get_errors
         got = await p.guard.call(j, p.tiers[j].read_into(names, outs, p.pool), fallback, "get")
         failed = counters.get_errors - errors
+        gone = sum(r.status == GONE for r in got)
+        answering = failed < gone or any(r.status in (HIT, DECLINED) for r in got)
+        if answering:
+            self._answers[j] += 1
         if failed:
             # A read failed in the backend (a reset connection, a 5xx, EIO): backends answer
             # those as absent, which alone would drop the names from the books (and tell
@@ -97,7 +105,6 @@ class Reader:
             # of the batch (or fails fewer than it did not find), the name's own streak
             # counts, and UNANSWERED_LIMIT reads in a row make it gone; a tier failing
             # everything (away, restarting) keeps every name for as long as it is away.
-            answering = failed < sum(r.status == GONE for r in got) or any(r.status in (HIT, DECLINED) for r in got)
             got = [self._not_found(j, n, r, answering) if r.status == GONE else self._answered(j, n, r) for n, r in zip(names, got)]
         elif self._unanswered:
             for n, r in zip(names, got):
@@ -111,15 +118,17 @@ class Reader:
 
     def _not_found(self, j: int, name: str, r: ReadResult, answering: bool) -> ReadResult:
         key = (j, name)
-        if not answering:
-            return ReadResult(None, UNAVAILABLE, 0)
-        seen = self._unanswered.get(key, 0) + 1
-        if seen >= UNANSWERED_LIMIT:
-            self._unanswered.pop(key, None)
-            return r  # gone after all
-        if len(self._unanswered) >= 65536:  # names never read again: forget the oldest
-            del self._unanswered[next(iter(self._unanswered))]
-        self._unanswered[key] = seen
+        answers = self._answers[j]
+        seen, mark = self._unanswered.get(key, (0, answers))
+        if answering or answers > mark:  # the tier answers reads: this object's fail
+            seen += 1
+            if seen >= UNANSWERED_LIMIT:
+                self._unanswered.pop(key, None)
+                self.p.metrics.errors.labels("get unreadable", self.p.labels[j]).inc()
+                return r  # gone after all
+        if key not in self._unanswered and len(self._unanswered) >= 65536:
+            del self._unanswered[next(iter(self._unanswered))]  # names never read again: forget the oldest
+        self._unanswered[key] = (seen, answers)
         return ReadResult(None, UNAVAILABLE, 0)
 
     async def _read_group(

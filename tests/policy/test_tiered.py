@@ -803,6 +803,76 @@ async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few() ->
     await store.close()
 
 
+async def test_a_name_whose_lone_reads_keep_failing_leaves_the_books() -> None:
+    """The object is read alone, batch after batch (as an engine retrieving one prompt
+    does), while the tier answers other reads between: it leaves the books after
+    UNANSWERED_LIMIT failed reads with answered ones between, on_gone hears of it, and a new put writes it again
+    (it was a hit on every lookup and a miss on every read, for ever)."""
+    from kvstore.tiered.reads import UNANSWERED_LIMIT
+
+    class FailsOne(MemoryBackend):
+        bad = ""
+
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            got = await super().get_many(names, alloc)
+            for k, n in enumerate(names):
+                if n == self.bad:
+                    self.counters.get_errors += 1
+                    got[k] = None
+            return got
+
+    backend = FailsOne("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
+    backend.bad = name(1)
+    for _ in range(UNANSWERED_LIMIT + 1):  # the first failure has no answered read before it
+        assert gone == [] and name(1) in store.placement.tiers[0].resident
+        assert await store.get_many([name(1)]) == [None]
+        got = await store.get_many([name(2)])
+        assert torch.equal(got[0], chunk(2))
+    assert name(1) not in store.placement.tiers[0].resident and gone == [name(1)]
+    assert store.metrics.errors.labels("get unreadable", "tier0")._value.get() == 1
+    backend.bad = ""
+    puts = backend.counters.puts
+    await store.put_many([(name(1), chunk(1))])
+    assert backend.counters.puts > puts
+    assert torch.equal((await store.get_many([name(1)]))[0], chunk(1))
+    await store.close()
+
+
+async def test_lone_reads_while_the_tier_is_away_keep_the_name() -> None:
+    """Failed reads of one name with nothing answered between them (the tier away) do
+    not count, however many; one answered read between two failures counts one."""
+    from kvstore.tiered.reads import UNANSWERED_LIMIT
+
+    class Away(MemoryBackend):
+        away = False
+
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            if self.away:
+                self.counters.get_errors += len(names)
+                return [None] * len(names)
+            return await super().get_many(names, alloc)
+
+    backend = Away("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(1), chunk(1)), (name(2), chunk(2))])
+    await store.get_many([name(2)])
+    for _outage in range(UNANSWERED_LIMIT - 1):
+        backend.away = True
+        for _ in range(5):
+            assert await store.get_many([name(1)]) == [None]
+        backend.away = False
+        await store.get_many([name(2)])
+    assert gone == [] and name(1) in store.placement.tiers[0].resident
+    assert torch.equal((await store.get_many([name(1)]))[0], chunk(1))
+    await store.close()
+
+
 async def test_a_tier_failing_every_read_keeps_its_names_however_long() -> None:
     """Away (restarting, unreachable) as far as every read can tell: no name is taken for
     gone, however many reads fail; once it answers, every one is served from it."""
