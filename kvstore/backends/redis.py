@@ -111,6 +111,7 @@ _REDIS_PY_OPTIONS = {
 MIB = 1 << 20
 SLOW_PROBE_SHARE = 0.2  # a lookup's round trip on the caller's thread over this share of inline_timeout is slow
 TEMP_TTL_MIN = 60.0  # seconds a temporary key outlives a writer that died before publishing it
+GC_GRACE_MIN = 3600.0  # seconds a multi-part write's parts are safe from collect_garbage, at least
 
 
 @dataclass(frozen=True, slots=True)
@@ -939,29 +940,40 @@ class RedisBackend(Backend):
             out.append(ObjectInfo(n, manifest.total if manifest else size, 0.0))
         return out
 
-    async def collect_garbage(self) -> int:
-        """Delete parts no manifest points at any more; return how many hashes/fields went.
+    async def collect_garbage(self, grace_s: float | None = None) -> int:
+        """Delete parts no manifest points at any more; return how many fields went.
 
         Orphans arise when a multi-part object is overwritten by a big single-part value
         (that put skips the extra round trip to drop old parts) or when a writer died
-        between its parts and its manifest.  Run it from maintenance (``kvstore gc``), not
-        during heavy writes: a multi-part put caught between its parts and its manifest
-        loses its parts, which its readers then see as a miss (never as wrong data).
+        between its parts and its manifest.  Safe beside writers in other processes: a
+        part goes only when its generation is not the one the object's manifest names
+        *and* its write began more than `grace_s` ago (default: twice the deadline of a
+        put of the largest object, at least an hour), so a put between its parts and its
+        manifest, or one that publishes while this runs, keeps its parts.  Parts written
+        before generations carried their time count as old.
         """
         pfx = self.options.prefix
         removed = 0
+        if grace_s is None:
+            grace_s = max(GC_GRACE_MIN, 2 * self.options.deadline(self.max_object_bytes))
         pattern = layout.glob_escape(pfx + "{") + "*" + layout.glob_escape("}" + layout.PARTS_SUFFIX)
         try:
             async for raw in self.client.scan_iter(match=pattern, count=1000):
                 hkey = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
                 name = hkey[len(pfx) + 1 : -len("}" + layout.PARTS_SUFFIX)]
+                # the manifest first, the fields after: a generation published after the
+                # manifest was read is young, so kept below
                 head = await self.client.getrange(layout.data_key(pfx, name), 0, layout.MANIFEST_LEN)
                 manifest = layout.decode_manifest(head)
-                if manifest is None:
-                    removed += int(await self.client.unlink(hkey))
-                    continue
-                keep = set(manifest.fields())
-                stale = [f for f in await self.client.hkeys(hkey) if f.decode() not in keep]
+                live = manifest.generation.hex() if manifest is not None else None
+                now = time.time()
+                stale = []
+                for f in await self.client.hkeys(hkey):
+                    if layout.generation_hex(f) == live:
+                        continue
+                    age = layout.generation_age(f, now)
+                    if age is None or age > grace_s:
+                        stale.append(f)
                 if stale:
                     removed += int(await self.client.hdel(hkey, *stale))
         except FAULTS as exc:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -99,9 +100,41 @@ class Manifest:
         return body + xxhash.xxh3_64_digest(body)
 
     @classmethod
-    def new(cls, total: int, part_size: int) -> Manifest:
+    def new(cls, total: int, part_size: int, now: float | None = None) -> Manifest:
         count = max(1, -(-total // part_size))
-        return cls(count, part_size, total, os.urandom(8))
+        return cls(count, part_size, total, new_generation(now))
+
+
+def new_generation(now: float | None = None) -> bytes:
+    """8 bytes naming one write of a multi-part object: the writer's clock in whole seconds
+    (big-endian uint32), then 4 random bytes. The time lets garbage collection tell a
+    write still under way (its parts are young) from parts no write will publish."""
+    stamp = int(time.time() if now is None else now) & 0xFFFFFFFF
+    return struct.pack(">I", stamp) + os.urandom(4)
+
+
+def generation_age(field: bytes | str, now: float) -> float | None:
+    """Seconds since the write that wrote parts field `field` (``<generation hex>:<i>``)
+    began, or None when it cannot be told: a field of another form, or a generation
+    written before generations carried the time (random bytes, which read as a time
+    more than a day ahead or long before the store could have existed)."""
+    text = field.decode("ascii", "replace") if isinstance(field, bytes) else field
+    gen = text.split(":", 1)[0]
+    if len(gen) != 16:
+        return None
+    try:
+        stamp = int(gen[:8], 16)
+    except ValueError:
+        return None
+    age = now - stamp
+    if age < -86400 or stamp < 1_700_000_000:
+        return None
+    return age
+
+
+def generation_hex(field: bytes | str) -> str:
+    text = field.decode("ascii", "replace") if isinstance(field, bytes) else field
+    return text.split(":", 1)[0]
 
 
 def decode_manifest(data: bytes | memoryview | None) -> Manifest | None:

@@ -306,7 +306,8 @@ def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: b
 @click.option("--max-bytes", help="Then delete oldest first until at most this many bytes remain.")
 @click.option(
     "--stale-uploads",
-    help="Abort unfinished multipart uploads (S3) started longer ago than this (default 1h).",
+    help="Abort unfinished multipart uploads (S3), and drop the parts of unfinished multi-part "
+    "writes (Redis), started longer ago than this (default 1h; Redis: at least twice a put's deadline).",
 )
 @click.option("--dry-run", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -329,7 +330,7 @@ def gc(
     try:
         age = parse_duration(older_than) if older_than else None
         budget = parse_size(max_bytes) if max_bytes is not None else None
-        uploads_age = parse_duration(stale_uploads) if stale_uploads else 3600.0
+        uploads_age = parse_duration(stale_uploads) if stale_uploads else None
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
     if max_bytes is not None and not budget:
@@ -370,6 +371,8 @@ def gc(
         click.echo(f"could not delete: {printable_name(name)}", err=True)
     for name in report.foreign:
         click.echo(f"not a kvstore frame, left as it is: {printable_name(name)}", err=True)
+    for name in report.unreadable:
+        click.echo(f"could not read its header, so its age is unknown; left: {printable_name(name)}", err=True)
     for name in report.uploads_not_aborted:
         click.echo(f"could not abort the unfinished upload of: {printable_name(name)}", err=True)
     if _report_unlisted(report.unlisted) or report.not_deleted or report.uploads_not_aborted:

@@ -246,6 +246,7 @@ class GcReport:
     unlisted: list[tuple[str, str]] = field(default_factory=list)
     not_deleted: list[str] = field(default_factory=list)  # chosen, but still there after delete
     foreign: list[str] = field(default_factory=list)  # not kvstore frames (another program's keys): left
+    unreadable: list[str] = field(default_factory=list)  # no header nor first bytes read back: left
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -258,17 +259,19 @@ async def gc_store(
     namespace: str | None = None,
     older_than_s: float | None = None,
     max_bytes: int | None = None,
-    stale_uploads_s: float = 3600.0,
+    stale_uploads_s: float | None = None,
     dry_run: bool = False,
 ) -> GcReport:
     """Delete objects older than `older_than_s`, then oldest first until ≤ `max_bytes`;
-    then let the backend drop its own leftovers (a Redis backend's orphaned value parts,
-    an S3 backend's multipart uploads started more than `stale_uploads_s` ago and never
-    finished, whose parts the server keeps until they are aborted).
+    then let the backend drop its own leftovers of writes started more than
+    `stale_uploads_s` ago and never finished (a Redis backend's value parts no manifest
+    names, an S3 backend's multipart uploads, whose parts the server keeps until they
+    are aborted; None: an hour, for Redis at least twice a put's deadline).
 
     With `namespace`, only that namespace is considered and `max_bytes` is its budget.
     Age is the frame's creation time where readable, else the object's mtime. Objects
-    that are not kvstore frames (no frame magic) are reported in ``foreign`` and left.
+    that are not kvstore frames (no frame magic) are reported in ``foreign`` and left, as
+    are objects of which nothing could be read (``unreadable``).
     """
     listed = await list_objects(backend, prefix, namespace)
     report = GcReport(url=redact_url(backend.url), dry_run=dry_run, unlisted=list(backend.unlisted))
@@ -279,8 +282,12 @@ async def gc_store(
     unknown = [o for o, h in zip(listed, headers) if h is None]
     heads = await backend.read_heads([o.name for o in unknown], len(MAGIC)) if unknown else []
     report.foreign = [o.name for o, head in zip(unknown, heads) if head is not None and bytes(head[: len(MAGIC)]) != MAGIC]
-    foreign = set(report.foreign)
-    objects = [o for o in listed if o.name not in foreign]
+    # neither its header nor its first bytes could be read (a failed read, or a Redis
+    # multi-part value caught mid-overwrite): its age is unknown (a Redis listing has no
+    # mtime), so it is left, as it may be a good object written a moment ago
+    report.unreadable = [o.name for o, head in zip(unknown, heads) if head is None]
+    left = set(report.foreign) | set(report.unreadable)
+    objects = [o for o in listed if o.name not in left]
     created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(listed, headers)}
     report.before_objects = len(objects)
     report.before_bytes = sum(o.size for o in objects)
@@ -310,12 +317,12 @@ async def gc_store(
         doomed = [o for o in doomed if o.name not in kept]
     collect = getattr(backend, "collect_garbage", None)  # backend-internal leftovers (Redis parts)
     if collect is not None and not dry_run:
-        report.leftovers_removed = await collect()
+        report.leftovers_removed = await collect(grace_s=stale_uploads_s)
     abort_stale = getattr(backend, "abort_stale_uploads", None)  # S3: uploads killed writers left
     if abort_stale is not None:
         backend.unlisted.clear()
         report.uploads_aborted, report.uploads_not_aborted = await abort_stale(
-            stale_uploads_s, dry_run=dry_run
+            3600.0 if stale_uploads_s is None else stale_uploads_s, dry_run=dry_run
         )
         report.unlisted.extend(backend.unlisted)
     report.deleted = [o.name for o in doomed]
