@@ -264,10 +264,25 @@ class Backend(abc.ABC):
         `capabilities` declare ``streamed_reads``."""
         raise NotImplementedError(f"{type(self).__name__} does not stream reads")
 
-    async def quarantine(self, name: str, reason: str) -> None:
-        """Take a corrupt object out of service.  Backends with a side area override."""
+    async def quarantine(
+        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+    ) -> bool:
+        """Take a corrupt object out of service; True when it was taken.
+
+        With `expect` (the bytes a check read and found defective) only while the object
+        still holds exactly those bytes; with `unreadable`, only while it still reads as
+        absent: a copy written since the check read it (a repair, a rewrite) stays in
+        service.  Here: read again, compare, delete (a write landing between the
+        comparison and the delete goes too); backends with a conditional delete or a
+        side area override this.
+        """
+        if expect is not None or unreadable:
+            (now,) = await self.get_many([name])
+            if not still_defective(now, expect, unreadable):
+                return False
         await self.delete_many([name])
         self.counters.quarantined += 1
+        return True
 
     async def read_heads(self, names: Sequence[str], nbytes: int) -> builtins.list[memoryview | None]:
         """The first `nbytes` of each object (None = missing)."""
@@ -330,3 +345,19 @@ class Backend(abc.ABC):
 
     async def get(self, name: str, alloc: Alloc | None = None) -> memoryview | None:
         return (await self.get_many([name], alloc))[0]
+
+
+def same_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryview) -> bool:
+    """Whether two buffers hold the same bytes (compared in slices, without copying either)."""
+    va, vb = memoryview(a).cast("B"), memoryview(b).cast("B")
+    if va.nbytes != vb.nbytes:
+        return False
+    step = 1 << 22
+    return all(va[i : i + step] == vb[i : i + step] for i in range(0, va.nbytes, step))
+
+
+def still_defective(now: bytes | memoryview | None, expect: bytes | memoryview | None, unreadable: bool) -> bool:
+    """Whether an object read back as `now` is still what a check found defective."""
+    if unreadable:
+        return now is None
+    return now is not None and expect is not None and same_bytes(now, expect)

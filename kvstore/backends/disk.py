@@ -1103,23 +1103,42 @@ class DiskBackend(Backend):
             if name.startswith(prefix):
                 yield ObjectInfo(name, st.st_size, st.st_mtime)
 
-    async def quarantine(self, name: str, reason: str) -> None:
+    async def quarantine(
+        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+    ) -> bool:
+        """Move the object's file into ``quarantine/`` (with a ``.reason`` beside it).
+
+        With `expect`, the moved file is compared with it: a file written since the check
+        read the object (another process's rename landed first) is put back, unless a
+        newer one is there by then, and nothing is quarantined.  With `unreadable`, only
+        while a read still finds nothing.
+        """
         await self._open()
-        self._sizes.pop(name, None)
+        if unreadable and (await self.get_many([name]))[0] is not None:
+            return False
         src = self.path_of(name)
         dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{src.name}"
         try:
             await aiofiles.os.makedirs(self.quarantine_dir, exist_ok=True)  # removed while running?
             await aiofiles.os.replace(src, dst)
-            await asyncio.to_thread(Path(f"{dst}.reason").write_text, f"{name}\n{reason}\n", "utf-8")
         except FileNotFoundError:
+            self._sizes.pop(name, None)
             await self._index_call(self.index.drop, [name])
-            return
+            return False
         except OSError as exc:
             log.warning("kvstore disk: could not quarantine %s: %s", printable_name(name), exc)
-            return
+            return False
+        if expect is not None and not await asyncio.to_thread(_file_holds, dst, expect):
+            await asyncio.to_thread(_put_back, dst, src)
+            return False
+        self._sizes.pop(name, None)
+        try:
+            await asyncio.to_thread(Path(f"{dst}.reason").write_text, f"{name}\n{reason}\n", "utf-8")
+        except OSError as exc:
+            log.warning("kvstore disk: could not write why %s was quarantined: %s", printable_name(name), exc)
         await self._index_call(self.index.drop, [name])
         self.counters.quarantined += 1
+        return True
 
     def stats(self) -> BackendStats:
         """Objects and bytes are the whole store's (every process's), as of this process's
@@ -1147,3 +1166,33 @@ class DiskBackend(Backend):
         if watch.ready:
             return "file events"
         return f"stat ({watch.failed})" if watch.failed else "stat (listing the folders)"
+
+
+def _file_holds(path: Path, expect: bytes | memoryview) -> bool:
+    """Whether the file at `path` holds exactly the bytes `expect`."""
+    want = memoryview(expect).cast("B")
+    step = 1 << 22
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size != want.nbytes:
+            return False
+        buf = bytearray(min(step, max(1, want.nbytes)))
+        view = memoryview(buf)
+        for off in range(0, want.nbytes, step):
+            n = f.readinto(view[: min(step, want.nbytes - off)])
+            if n is None or view[:n] != want[off : off + n] or n < min(step, want.nbytes - off):
+                return False
+    return True
+
+
+def _put_back(moved: Path, path: Path) -> None:
+    """Return a file moved aside to `path`, unless another file is there by now (it is
+    newer: it stays and the moved one goes)."""
+    try:
+        os.link(moved, path)
+    except FileExistsError:
+        pass
+    except OSError:  # no hard links here: a rename, which a file landing at `path` meanwhile would lose
+        if not os.path.exists(path):
+            os.replace(moved, path)
+            return
+    os.unlink(moved)

@@ -54,7 +54,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError, ResponseError, WatchError
 
 from kvstore import checksum
 from kvstore.backends import redis_layout as layout
@@ -72,6 +72,7 @@ from kvstore.backends.base import (
     bytearray_alloc,
     parts_len,
     redact_url,
+    still_defective,
 )
 from kvstore.backends.inline_gate import InlineGate
 from kvstore.backends.redis_probe import RespProbe
@@ -891,6 +892,49 @@ class RedisBackend(Backend):
         await self._run("delete", [job()] if names else [], 0)
         self.counters.deletes += sum(out)
         return out
+
+    async def quarantine(
+        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+    ) -> bool:
+        """Delete a corrupt object; with `expect`, only while it still holds those bytes,
+        with `unreadable`, only while it still reads as absent (a part lost).
+
+        The check and the delete are one optimistic transaction: the object's key is
+        WATCHed, read and compared (a multi-part value: its parts, through the manifest),
+        then UNLINKed with its generation's parts in MULTI/EXEC, which Redis refuses if
+        any write reached the key in between (a repair, a rewrite: that copy stays).
+        """
+        if expect is None and not unreadable:
+            return await super().quarantine(name, reason)
+        pfx = self.options.prefix
+        dkey, hkey = layout.data_key(pfx, name), layout.parts_key(pfx, name)
+        try:
+            async with self.client.pipeline(transaction=True) as pipe:
+                await pipe.watch(dkey)
+                head = await pipe.get(dkey)
+                if head is None:
+                    return False
+                manifest = layout.decode_manifest(head)
+                if manifest is None:
+                    held: memoryview | bytes | None = head
+                else:
+                    (held,) = await self.get_many([name])
+                if not still_defective(held, expect, unreadable):
+                    return False
+                pipe.multi()
+                pipe.unlink(dkey)
+                if manifest is not None:
+                    pipe.hdel(hkey, *manifest.fields())
+                await pipe.execute()
+        except WatchError:
+            return False  # written since it was read: the new copy stays
+        except FAULTS as exc:
+            self._fault("quarantine", exc)
+            return False
+        self.counters.deletes += 1
+        self.counters.quarantined += 1
+        log.warning("redis: quarantined (deleted) %s: %s", printable_name(name), reason)
+        return True
 
     # -- listing / stats -------------------------------------------------------------
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:

@@ -60,6 +60,7 @@ from kvstore.backends.base import (
     as_parts,
     bytearray_alloc,
     redact_url,
+    same_bytes,
 )
 from kvstore.backends.breaker import CircuitBreaker
 from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_parts
@@ -864,6 +865,48 @@ class S3Backend(Backend):
                     out[i] = True
                     self.counters.deletes += 1
         return out
+
+    async def quarantine(
+        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+    ) -> bool:
+        """Delete a corrupt object; with `expect`, only while it still holds those bytes:
+        the object is read again and compared, then deleted with ``If-Match`` on the ETag
+        of that read, so a copy written in between (a repair, a rewrite) is answered 412
+        and stays.  A server that refuses conditional deletes quarantines nothing.  With
+        `unreadable` (a check read nothing of a listed object): only while a read still
+        finds nothing."""
+        if expect is None:
+            return await super().quarantine(name, reason, unreadable=unreadable)
+        o = self.options
+        key = o.key(name)
+
+        async def compare_and_delete() -> bool:
+            resp = await self._request(self._client.get_object, Bucket=o.bucket, Key=key)
+            body = await resp["Body"].read()
+            etag = resp.get("ETag")
+            if not etag or not same_bytes(body, expect):
+                return False
+            try:
+                await self._request(self._client.delete_object, Bucket=o.bucket, Key=key, IfMatch=etag)
+            except ClientError as exc:
+                code, status = error_code(exc)
+                if status == 412 or code == "PreconditionFailed":
+                    return False  # written since it was read: the new copy stays
+                if status in (400, 501) or code in ("NotImplemented", "InvalidArgument"):
+                    log.warning(
+                        "S3 at %s refused a conditional delete (%s), so %s is not quarantined",
+                        redact_url(self.url), code or status, printable_name(name),
+                    )
+                    return False
+                raise
+            return True
+
+        if await self._guarded(compare_and_delete) is not True:
+            return False
+        self.counters.deletes += 1
+        self.counters.quarantined += 1
+        log.warning("S3: quarantined (deleted) %s: %s", printable_name(name), reason)
+        return True
 
     async def _delete_batch(self, keys: list[str]) -> set[str]:
         """DeleteObjects for ≤ 1000 keys; returns the keys the server failed to delete."""

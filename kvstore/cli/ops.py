@@ -294,6 +294,12 @@ def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: b
             )
         if report.quarantined:
             click.echo(f"quarantined {report.quarantined}")
+        for name in report.not_quarantined:
+            click.echo(
+                f"not quarantined: {printable_name(name)}: written again since it was read, or it could not be "
+                "moved (see the log); rerun verify",
+                err=True,
+            )
     if _report_unlisted(report.unlisted) or report.bad or report.unreadable or report.foreign:
         sys.exit(EXIT_FAILURES)
 

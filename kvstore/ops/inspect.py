@@ -160,6 +160,7 @@ class VerifyReport:
     unreadable: list[str] = field(default_factory=list)  # still there, but its read failed
     foreign: list[str] = field(default_factory=list)  # not a kvstore frame: left as it is
     quarantined: int = 0
+    not_quarantined: list[str] = field(default_factory=list)  # changed since it was read (or not deletable)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -182,11 +183,15 @@ async def verify_store(
     for o in objects:
         queue.put_nowait(o)
 
-    async def bad(name: str, why: str, *, proven: bool = True) -> None:
+    async def bad(name: str, why: str, *, proven: bool = True, read: memoryview | None = None) -> None:
         report.bad[name] = why
-        if quarantine and proven:  # only what was read and found defective is moved aside
-            await backend.quarantine(name, why)
-            report.quarantined += 1
+        if quarantine and proven:  # only what was read and found defective is moved aside,
+            # and only while it still is: a copy written since the read (a repair, a
+            # rewrite by an engine) stays in service
+            if await backend.quarantine(name, why, expect=read, unreadable=read is None):
+                report.quarantined += 1
+            else:
+                report.not_quarantined.append(name)
 
     async def check(info: ObjectInfo) -> None:
         if info.size > backend.max_object_bytes:  # never read into memory, so never quarantined
@@ -217,7 +222,7 @@ async def verify_store(
         except BadMagicError:
             report.foreign.append(info.name)  # another program's object under the prefix: not ours to move
         except FrameError as exc:
-            await bad(info.name, f"{type(exc).__name__}: {exc}")
+            await bad(info.name, f"{type(exc).__name__}: {exc}", read=raw)
 
     async def worker() -> None:
         while not queue.empty():

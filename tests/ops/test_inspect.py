@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -68,6 +69,56 @@ def test_verify_finds_a_bit_flip_and_quarantines(tmp_path: Path) -> None:
     code, out = run("verify", tmp_path.as_uri(), "--json")
     assert code == 0 and json.loads(out)["ok"] == 5
     assert any((tmp_path / "quarantine").iterdir())
+
+
+@pytest.mark.parametrize("kind", ["disk", "redis", "redis-parts", "s3"])
+async def test_verify_quarantine_leaves_a_copy_written_since_its_read(kind, tmp_path, request) -> None:  # type: ignore[no-untyped-def]
+    """verify reads a corrupt object; before it quarantines, a writer puts a good copy
+    under the name (a repair, an engine storing the chunk again). The good copy stays in
+    service (it was moved aside or deleted); the name is reported as not quarantined. With
+    nothing written in between, the corrupt object is quarantined as before."""
+    from kvstore.backends import open_backend
+    from kvstore.ops.inspect import verify_store
+
+    if kind == "disk":
+        url = tmp_path.as_uri() + "?fsync=false"
+    elif kind == "s3":
+        url = request.getfixturevalue("s3_url")()
+    else:
+        url = request.getfixturevalue("redis_url")(**({"part_size": "64KiB"} if kind == "redis-parts" else {}))
+    b = open_backend(url)
+    tier = Tier(b)
+    name = ChunkKey("m", 1, 0, 7).object_name()
+    value = torch.arange(64 * 1024, dtype=torch.float32)  # 256 KiB: several parts with part_size=64KiB
+    await tier.put_many([(name, value)])
+    (good,) = await b.get_many([name])
+    good = bytes(good)
+    bad = bytearray(good)
+    bad[-5] ^= 0x10  # a payload bit flip: the frame's checksum fails
+    for rewrite in (True, False):
+        assert await b.put_many([(name, bytes(bad))]) == [True]
+        real = b.get_many
+        pending = [rewrite]
+
+        async def get_many(names, alloc=None, real=real, pending=pending):  # type: ignore[no-untyped-def]
+            got = await real(names, alloc)
+            if pending[0] and name in names:
+                pending[0] = False
+                assert await b.put_many([(name, good)]) == [True]  # lands after verify's read
+            return got
+
+        b.get_many = get_many  # type: ignore[method-assign]
+        report = await verify_store(b, quarantine=True)
+        b.get_many = real  # type: ignore[method-assign]
+        assert name in report.bad
+        if rewrite:
+            assert report.quarantined == 0 and report.not_quarantined == [name]
+            got = await tier.get_many([name])
+            assert got[0] is not None and torch.equal(got[0], value)
+        else:
+            assert report.quarantined == 1 and report.not_quarantined == []
+            assert await b.contains_many([name]) == [False]
+    await tier.close()
 
 
 def test_verify_quarantines_only_what_it_read_and_found_defective(tmp_path: Path) -> None:

@@ -392,3 +392,52 @@ async def test_verify_reports_an_object_that_lost_a_part_as_bad(redis_server):
     assert report.ok == 1 and list(report.bad) == [names[1]] and "Incomplete" in report.bad[names[1]]
     assert report.unreadable == []
     await b.close()
+
+
+@pytest.mark.parametrize("part_size", ["", "64KiB"])
+async def test_quarantine_deletes_only_the_copy_it_compared(redis_server, monkeypatch, part_size):
+    """A copy written between quarantine's comparison and its delete stays: the key is
+    WATCHed, so the delete's MULTI/EXEC is refused (single values and multi-part ones)."""
+    url = f"{redis_server.url}?{FAST}" + (f"&part_size={part_size}" if part_size else "")
+    b = open_backend(url)
+    name = "ns/m/vllm-1-0/q"
+    bad, good = os.urandom(200 * KiB), os.urandom(200 * KiB)
+    assert await b.put_many([(name, bad)]) == [True]
+
+    async def rewrite() -> None:  # another writer
+        other = open_backend(url)
+        assert await other.put_many([(name, good)]) == [True]
+        await other.close()
+
+    if part_size:  # quarantine reads a multi-part value's parts through get_many
+        real_get = b.get_many
+
+        async def get_many(names, alloc=None):  # type: ignore[no-untyped-def]
+            got = await real_get(names, alloc)
+            await rewrite()
+            return got
+
+        monkeypatch.setattr(b, "get_many", get_many)
+    else:  # and a single value on its watching pipeline
+        real_pipeline = b.client.pipeline
+
+        def pipeline(*args, **kwargs):  # type: ignore[no-untyped-def]
+            pipe = real_pipeline(*args, **kwargs)
+            real_pipe_get = pipe.get
+
+            async def get(key):  # type: ignore[no-untyped-def]
+                value = await real_pipe_get(key)
+                await rewrite()
+                return value
+
+            pipe.get = get
+            return pipe
+
+        monkeypatch.setattr(b.client, "pipeline", pipeline)
+    assert await b.quarantine(name, "test", expect=bad) is False
+    monkeypatch.undo()
+    (got,) = await b.get_many([name])
+    assert got is not None and bytes(got) == good
+    assert await b.quarantine(name, "test", expect=good) is True
+    assert await b.contains_many([name]) == [False]
+    await b.close()

@@ -184,3 +184,27 @@ async def test_no_credentials_and_unreachable_endpoint_say_what_to_fix(s3_env, m
         await b.open()
     assert await b.get_many(["x"]) == [None]  # and on first use: a counted miss
     await b.close()
+
+
+async def test_quarantine_deletes_only_the_copy_it_compared(s3_url) -> None:  # type: ignore[no-untyped-def]
+    """A copy written between quarantine's read and its delete stays: the delete is
+    conditional on the ETag of the read (If-Match), and the server answers 412."""
+    b = open_backend(s3_url())
+    name = "ns/m/vllm-1-0/q"
+    bad, good = os.urandom(4096), os.urandom(4096)
+    assert await b.put_many([(name, bad)]) == [True]
+    client = b._client
+    real = client.delete_object
+
+    async def delete_after_a_rewrite(**kw):  # type: ignore[no-untyped-def]
+        assert await b.put_many([(name, good)]) == [True]
+        return await real(**kw)
+
+    client.delete_object = delete_after_a_rewrite
+    assert await b.quarantine(name, "test", expect=bad) is False
+    client.delete_object = real
+    (got,) = await b.get_many([name])
+    assert got is not None and bytes(got) == good
+    assert await b.quarantine(name, "test", expect=bytes(got)) is True
+    assert await b.contains_many([name]) == [False]
+    await b.close()
