@@ -22,7 +22,7 @@ real model. Token ids of the cold and loaded runs are compared (``same_token``) 
 check that loaded KV is the KV that was stored.
 
     python3 benchmarks/bench_vllm_e2e.py --out e2e.json [--modes none,kvstore,fs]
-        [--prompt-tokens 8192] [--prompts 6] [--repeats 3] [--rounds 2] [--l1-gb 3]
+        [--prompt-tokens 8192] [--prompts 6] [--repeats 3] [--rounds 2] [--l1-gb 4]
 
 Needs vLLM, LMCache 0.5.6 and a CUDA device; ``kvstore_lmcache`` must be importable in
 the server's environment.
@@ -35,6 +35,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -110,6 +111,19 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
 
 
+def settle(path: Path, quiet_s: float, most_s: float = 60.0) -> None:
+    """Wait until the L2 directory has stopped growing for `quiet_s` (its writes landed)."""
+    deadline = time.monotonic() + most_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = dir_bytes(path)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+
+
 def child(mode: str, args: argparse.Namespace) -> None:
     """One engine, one mode; prints one JSON line per sample and a last 'done' line."""
     import torch
@@ -155,9 +169,10 @@ def child(mode: str, args: argparse.Namespace) -> None:
             dt = time.perf_counter() - t
             return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0])
 
+        l2_dir = root / ("kvstore" if mode == "kvstore" else "lmcache-fs")
         for _ in range(2):  # warm-up, not counted
             run(prompt())
-        time.sleep(args.settle_s)
+        settle(l2_dir, args.settle_s)
         for rnd in range(args.rounds):
             prompts = [prompt() for _ in range(args.prompts)]
             first: dict[int, int] = {}
@@ -168,14 +183,14 @@ def child(mode: str, args: argparse.Namespace) -> None:
                 time.sleep(0.3)
             if mode == "none":
                 continue
-            time.sleep(args.settle_s)
+            settle(l2_dir, args.settle_s)
             for phase in ("l2", "l1"):
                 for i in range(args.repeats):
                     dt, cached, tok = run(prompts[i])
                     rec = {"mode": mode, "round": rnd, "phase": phase, "i": i, "ttft_s": dt, "cached": cached,
                            "same_token": tok == first[i]}
                     print(json.dumps(rec), flush=True)
-        l2 = dir_bytes(root / ("kvstore" if mode == "kvstore" else "lmcache-fs"))
+        l2 = dir_bytes(l2_dir)
         print(json.dumps({"mode": mode, "event": "done", "l2_bytes": l2}), flush=True)
     finally:
         if server is not None:
@@ -220,7 +235,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--chunk-size", type=int, default=256)
-    ap.add_argument("--l1-gb", type=float, default=3.0)
+    ap.add_argument("--l1-gb", type=float, default=4.0)
     ap.add_argument("--gpu-util", type=float, default=0.5)
     ap.add_argument("--settle-s", type=float, default=2.0)
     ap.add_argument("--server-timeout", type=float, default=120.0)
@@ -240,12 +255,16 @@ def main() -> None:
         for k in ("prompt_tokens", "prompts", "repeats", "rounds", "chunk_size", "l1_gb", "gpu_util", "settle_s",
                   "server_timeout"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        # its own process group, so a mode that runs out of time takes its LMCache server
+        # with it (a SIGKILLed child never reaches its `finally`)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.mode_timeout)
-            out, err, rc = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + "\n(timed out)"
+            out, err = proc.communicate(timeout=args.mode_timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            err += "\n(timed out)"
             rc = -1
         for line in out.splitlines():
             if line.startswith("{"):

@@ -277,7 +277,10 @@ class Backend(abc.ABC):
         side area override this.
         """
         if expect is not None or unreadable:
+            errors = self.counters.get_errors
             (now,) = await self.get_many([name])
+            if now is None and self.counters.get_errors != errors:
+                return False  # the read failed: it tells nothing about the object
             if not still_defective(now, expect, unreadable):
                 return False
         await self.delete_many([name])

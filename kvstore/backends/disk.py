@@ -67,6 +67,7 @@ import builtins
 import concurrent.futures
 import errno
 import hashlib
+import io
 import itertools
 import logging
 import os
@@ -1108,19 +1109,23 @@ class DiskBackend(Backend):
     ) -> bool:
         """Move the object's file into ``quarantine/`` (with a ``.reason`` beside it).
 
-        With `expect`, the moved file is compared with it: a file written since the check
-        read the object (another process's rename landed first) is put back, unless a
-        newer one is there by then, and nothing is quarantined.  With `unreadable`, only
-        while a read still finds nothing.
+        With `expect`, only the file that holds exactly those bytes: the file is compared
+        where it is (through an open descriptor), then renamed, and the renamed file is
+        checked to be the one compared (a file another process renamed into place in
+        between is put back, unless a newer one is there by then).  A file written since
+        the check read the object stays in service.  With `unreadable`, only while a read
+        still finds nothing (and fails on nothing).
         """
         await self._open()
-        if unreadable and (await self.get_many([name]))[0] is not None:
-            return False
+        if unreadable:
+            errors = self.counters.get_errors
+            (now,) = await self.get_many([name])
+            if now is not None or self.counters.get_errors != errors:
+                return False
         src = self.path_of(name)
         dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{src.name}"
         try:
-            await aiofiles.os.makedirs(self.quarantine_dir, exist_ok=True)  # removed while running?
-            await aiofiles.os.replace(src, dst)
+            moved = await asyncio.to_thread(_move_aside, src, dst, self.quarantine_dir, expect)
         except FileNotFoundError:
             self._sizes.pop(name, None)
             await self._index_call(self.index.drop, [name])
@@ -1128,8 +1133,7 @@ class DiskBackend(Backend):
         except OSError as exc:
             log.warning("kvstore disk: could not quarantine %s: %s", printable_name(name), exc)
             return False
-        if expect is not None and not await asyncio.to_thread(_file_holds, dst, expect):
-            await asyncio.to_thread(_put_back, dst, src)
+        if not moved:
             return False
         self._sizes.pop(name, None)
         try:
@@ -1168,19 +1172,40 @@ class DiskBackend(Backend):
         return f"stat ({watch.failed})" if watch.failed else "stat (listing the folders)"
 
 
-def _file_holds(path: Path, expect: bytes | memoryview) -> bool:
-    """Whether the file at `path` holds exactly the bytes `expect`."""
-    want = memoryview(expect).cast("B")
-    step = 1 << 22
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size != want.nbytes:
+
+def _move_aside(src: Path, dst: Path, quarantine_dir: Path, expect: bytes | memoryview | None) -> bool:
+    """Rename `src` to `dst`; with `expect`, only the file holding those bytes (see
+    `DiskBackend.quarantine`).  True when a file was moved aside and stays there."""
+    os.makedirs(quarantine_dir, exist_ok=True)  # (removed while running?)
+    if expect is None:
+        os.replace(src, dst)
+        return True
+    with open(src, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not _holds(f, st.st_size, expect):
             return False
-        buf = bytearray(min(step, max(1, want.nbytes)))
-        view = memoryview(buf)
-        for off in range(0, want.nbytes, step):
-            n = f.readinto(view[: min(step, want.nbytes - off)])
-            if n is None or view[:n] != want[off : off + n] or n < min(step, want.nbytes - off):
-                return False
+        os.replace(src, dst)
+    moved = os.lstat(dst)
+    if (moved.st_dev, moved.st_ino) == (st.st_dev, st.st_ino):
+        return True  # published files never change in place: this is the file compared
+    try:  # another process renamed a new file into place between the compare and the rename
+        _put_back(dst, src)
+    except OSError as exc:
+        log.error("kvstore disk: a good file moved aside could not be put back: rename %s to %s (%s)", dst, src, exc)
+    return False
+
+
+def _holds(f: io.BufferedReader, size: int, expect: bytes | memoryview) -> bool:
+    """Whether the open file `f` of `size` bytes holds exactly `expect`."""
+    want = memoryview(expect).cast("B")
+    if size != want.nbytes:
+        return False
+    step = 1 << 22
+    view = memoryview(bytearray(min(step, max(1, size))))
+    for off in range(0, size, step):
+        n = min(step, size - off)
+        if f.readinto(view[:n]) != n or view[:n] != want[off : off + n]:
+            return False
     return True
 
 

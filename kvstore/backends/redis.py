@@ -112,6 +112,7 @@ _REDIS_PY_OPTIONS = {
 MIB = 1 << 20
 SLOW_PROBE_SHARE = 0.2  # a lookup's round trip on the caller's thread over this share of inline_timeout is slow
 TEMP_TTL_MIN = 60.0  # seconds a temporary key outlives a writer that died before publishing it
+CLOCK_REFRESH_S = 600.0  # seconds between asks for the server's clock (generations are stamped with it)
 GC_GRACE_MIN = 3600.0  # seconds a multi-part write's parts are safe from collect_garbage, at least
 
 
@@ -269,6 +270,8 @@ class RedisBackend(Backend):
         self.options = options or RedisOptions()
         self.max_object_bytes = self.options.max_object
         self.cluster = isinstance(client, RedisCluster)
+        self._clock_offset = 0.0  # the server's clock minus this host's (`_server_clock`)
+        self._clock_asked: float | None = None
         self._ttls = dict(self.options.ttl_by_namespace)
         self._big = asyncio.Semaphore(self.options.inflight)
         self._lookups = asyncio.Semaphore(self.options.inflight)  # raw-socket TYPE pipelines at once
@@ -578,7 +581,7 @@ class RedisBackend(Backend):
         self, i: int, name: str, parts: list[memoryview], size: int, ttl: int | None, ok: list[bool]
     ) -> None:
         pfx = self.options.prefix
-        manifest = layout.Manifest.new(size, self.options.part_size)
+        manifest = layout.Manifest.new(size, self.options.part_size, now=await self._server_clock())
         hkey = layout.parts_key(pfx, name)
         pieces = layout.split_parts(parts, self.options.part_size)
 
@@ -908,28 +911,38 @@ class RedisBackend(Backend):
             return await super().quarantine(name, reason)
         pfx = self.options.prefix
         dkey, hkey = layout.data_key(pfx, name), layout.parts_key(pfx, name)
-        try:
+
+        async def compare_and_delete() -> bool:
             async with self.client.pipeline(transaction=True) as pipe:
                 await pipe.watch(dkey)
-                head = await pipe.get(dkey)
+                head = await pipe.execute_command("GET", dkey)
                 if head is None:
                     return False
                 manifest = layout.decode_manifest(head)
                 if manifest is None:
                     held: memoryview | bytes | None = head
                 else:
+                    errors = self.counters.get_errors
                     (held,) = await self.get_many([name])
+                    if held is None and self.counters.get_errors != errors:
+                        return False  # the read failed: it tells nothing about the object
                 if not still_defective(held, expect, unreadable):
                     return False
                 pipe.multi()
-                pipe.unlink(dkey)
+                pipe.execute_command("UNLINK", dkey)  # (a cluster pipeline's unlink() is a coroutine)
                 if manifest is not None:
-                    pipe.hdel(hkey, *manifest.fields())
+                    pipe.execute_command("HDEL", hkey, *manifest.fields())
                 await pipe.execute()
+                return True
+
+        try:
+            done = await asyncio.wait_for(compare_and_delete(), self.options.deadline(len(expect or b"")))
         except WatchError:
             return False  # written since it was read: the new copy stays
         except FAULTS as exc:
             self._fault("quarantine", exc)
+            return False
+        if not done:
             return False
         self.counters.deletes += 1
         self.counters.quarantined += 1
@@ -984,6 +997,21 @@ class RedisBackend(Backend):
             out.append(ObjectInfo(n, manifest.total if manifest else size, 0.0))
         return out
 
+    async def _server_clock(self, *, fresh: bool = False) -> float:
+        """The server's clock (TIME), as this host's clock plus an offset asked for at most
+        every `CLOCK_REFRESH_S` (or now, `fresh`): multi-part writes stamp their generation
+        with it and garbage collection ages parts by it, so hosts' clocks need not agree.
+        This host's clock where TIME is not allowed."""
+        now = time.time()
+        if fresh or self._clock_asked is None or now - self._clock_asked > CLOCK_REFRESH_S:
+            try:
+                sec, usec = await asyncio.wait_for(self.client.time(), self.options.timeout)
+                self._clock_offset = sec + usec / 1e6 - time.time()
+            except Exception as exc:  # a denied TIME, a fault: this host's clock will do
+                log.debug("redis TIME failed (%s); using this host's clock", exc)
+            self._clock_asked = now
+        return now + self._clock_offset
+
     async def collect_garbage(self, grace_s: float | None = None) -> int:
         """Delete parts no manifest points at any more; return how many fields went.
 
@@ -1010,7 +1038,7 @@ class RedisBackend(Backend):
                 head = await self.client.getrange(layout.data_key(pfx, name), 0, layout.MANIFEST_LEN)
                 manifest = layout.decode_manifest(head)
                 live = manifest.generation.hex() if manifest is not None else None
-                now = time.time()
+                now = await self._server_clock(fresh=True)
                 stale = []
                 for f in await self.client.hkeys(hkey):
                     if layout.generation_hex(f) == live:

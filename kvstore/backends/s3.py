@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import http.client
 import logging
+import secrets
 import time
 import urllib.request
 from collections import Counter
@@ -67,7 +68,7 @@ from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_part
 from kvstore.backends.s3_options import S3Options
 from kvstore.backends.s3_stream import Op, Opened, S3Streams, Settled, Stopped
 from kvstore.backends.stream import StreamSink, wait_out
-from kvstore.keys import InvalidKeyError, check_object_name, printable_name
+from kvstore.keys import PROBE_PREFIX, InvalidKeyError, check_object_name, printable_name
 from kvstore.redact import redact_text
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,7 @@ class S3Backend(Backend):
         self._streams: S3Streams | None = None  # streamed GETs (`read_streamed`)
         self._threads: ThreadPoolExecutor | None = None
         self._ca_bundle: str | None = None
+        self._conditional_delete: bool | None = None  # does the server honour If-Match on DELETE?
 
     @classmethod
     def from_url(cls, url: str) -> S3Backend:
@@ -872,17 +874,29 @@ class S3Backend(Backend):
         """Delete a corrupt object; with `expect`, only while it still holds those bytes:
         the object is read again and compared, then deleted with ``If-Match`` on the ETag
         of that read, so a copy written in between (a repair, a rewrite) is answered 412
-        and stays.  A server that refuses conditional deletes quarantines nothing.  With
+        and stays.  A server that refuses conditional deletes, or deletes regardless of
+        ``If-Match`` (asked once, on a probe object), quarantines nothing.  With
         `unreadable` (a check read nothing of a listed object): only while a read still
         finds nothing."""
         if expect is None:
             return await super().quarantine(name, reason, unreadable=unreadable)
+        if not await self._deletes_conditionally():
+            log.warning(
+                "S3 at %s does not honour If-Match on DELETE, so %s is not quarantined "
+                "(a copy written since it was read could go with it); delete it by hand if it is still bad",
+                redact_url(self.url),
+                printable_name(name),
+            )
+            return False
         o = self.options
         key = o.key(name)
 
         async def compare_and_delete() -> bool:
             resp = await self._request(self._client.get_object, Bucket=o.bucket, Key=key)
-            body = await resp["Body"].read()
+            try:
+                body = await resp["Body"].read()
+            finally:
+                resp["Body"].close()
             etag = resp.get("ETag")
             if not etag or not same_bytes(body, expect):
                 return False
@@ -892,12 +906,6 @@ class S3Backend(Backend):
                 code, status = error_code(exc)
                 if status == 412 or code == "PreconditionFailed":
                     return False  # written since it was read: the new copy stays
-                if status in (400, 501) or code in ("NotImplemented", "InvalidArgument"):
-                    log.warning(
-                        "S3 at %s refused a conditional delete (%s), so %s is not quarantined",
-                        redact_url(self.url), code or status, printable_name(name),
-                    )
-                    return False
                 raise
             return True
 
@@ -907,6 +915,35 @@ class S3Backend(Backend):
         self.counters.quarantined += 1
         log.warning("S3: quarantined (deleted) %s: %s", printable_name(name), reason)
         return True
+
+    async def _deletes_conditionally(self) -> bool:
+        """Whether DELETE honours If-Match here: a probe object under the prefix is deleted
+        with an ETag it does not have; the server must answer 412 and keep it.  Asked once;
+        a server that cannot be asked counts as not honouring it, until asked again."""
+        if self._conditional_delete is not None:
+            return self._conditional_delete
+        o = self.options
+        key = o.key(PROBE_PREFIX + secrets.token_hex(12))
+
+        async def probe() -> bool:
+            await self._request(self._client.put_object, Bucket=o.bucket, Key=key, Body=b"probe")
+            try:
+                try:
+                    await self._request(
+                        self._client.delete_object, Bucket=o.bucket, Key=key, IfMatch='"0123456789abcdef0123456789abcdef"'
+                    )
+                except ClientError as exc:
+                    code, status = error_code(exc)
+                    return status == 412 or code == "PreconditionFailed"
+                return False  # deleted (or claimed so) despite a wrong ETag
+            finally:
+                await self._request(self._client.delete_object, Bucket=o.bucket, Key=key)
+
+        answer = await self._guarded(probe)
+        if isinstance(answer, bool):
+            self._conditional_delete = answer
+            return answer
+        return False
 
     async def _delete_batch(self, keys: list[str]) -> set[str]:
         """DeleteObjects for ≤ 1000 keys; returns the keys the server failed to delete."""

@@ -313,7 +313,8 @@ def verify(url: str, prefix: str, quarantine: bool, concurrency: int, as_json: b
 @click.option(
     "--stale-uploads",
     help="Abort unfinished multipart uploads (S3), and drop the parts of unfinished multi-part "
-    "writes (Redis), started longer ago than this (default 1h; Redis: at least twice a put's deadline).",
+    "writes (Redis), started longer ago than this (default 1h, for Redis at least twice a put's deadline; "
+    "a shorter value drops the parts of writes still under way).",
 )
 @click.option("--dry-run", is_flag=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -378,7 +379,7 @@ def gc(
     for name in report.foreign:
         click.echo(f"not a kvstore frame, left as it is: {printable_name(name)}", err=True)
     for name in report.unreadable:
-        click.echo(f"could not read its header, so its age is unknown; left: {printable_name(name)}", err=True)
+        click.echo(f"its reads fail, so its age is unknown; left (see -v): {printable_name(name)}", err=True)
     for name in report.uploads_not_aborted:
         click.echo(f"could not abort the unfinished upload of: {printable_name(name)}", err=True)
     if _report_unlisted(report.unlisted) or report.not_deleted or report.uploads_not_aborted:

@@ -37,14 +37,22 @@ leaves the books. A failed read counts towards it when the tier answered other r
 the same batch, or in any read since the name's last failed one (so an object read
 alone, batch after batch, leaves too); a tier that answers nothing counts nothing."""
 
+clock = time.monotonic  # (tests set the time)
+
+UNANSWERED_MIN_S = 30.0
+"""And for at least this long since the first counted failure: a part of a tier away
+while the rest answers (a Redis Cluster shard failing over, a flapping link) does not
+cost its names."""
+
 
 class Reader:
     def __init__(self, parts: Parts, lookup: Lookup, mover: Mover) -> None:
         self.p = parts
         self.lookup = lookup
         self.mover = mover
-        # (tier, name) -> (failed reads counted in a row, the tier's answers at the last one)
-        self._unanswered: dict[tuple[int, str], tuple[int, int]] = {}
+        # (tier, name) -> (failed reads counted in a row, the tier's answers at the last
+        # one, when the first was counted)
+        self._unanswered: dict[tuple[int, str], tuple[int, int, float]] = {}
         self._answers: list[int] = [0] * len(parts.tiers)  # reads each tier answered (found or not)
 
     async def get_many(self, names: Sequence[str], out: Sequence[Out] | None, now: float) -> list[torch.Tensor | None]:
@@ -119,16 +127,19 @@ class Reader:
     def _not_found(self, j: int, name: str, r: ReadResult, answering: bool) -> ReadResult:
         key = (j, name)
         answers = self._answers[j]
-        seen, mark = self._unanswered.get(key, (0, answers))
+        now = clock()
+        seen, mark, first = self._unanswered.get(key, (0, answers, now))
         if answering or answers > mark:  # the tier answers reads: this object's fail
+            if seen == 0:
+                first = now
             seen += 1
-            if seen >= UNANSWERED_LIMIT:
+            if seen >= UNANSWERED_LIMIT and now - first >= UNANSWERED_MIN_S:
                 self._unanswered.pop(key, None)
                 self.p.metrics.errors.labels("get unreadable", self.p.labels[j]).inc()
                 return r  # gone after all
         if key not in self._unanswered and len(self._unanswered) >= 65536:
             del self._unanswered[next(iter(self._unanswered))]  # names never read again: forget the oldest
-        self._unanswered[key] = (seen, answers)
+        self._unanswered[key] = (seen, answers, first)
         return ReadResult(None, UNAVAILABLE, 0)
 
     async def _read_group(

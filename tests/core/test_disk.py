@@ -78,6 +78,38 @@ async def test_object_written_by_another_instance_after_open_is_found(tmp_path: 
     assert bytes(await reader.get("x/y")) == b"late"
 
 
+async def test_quarantine_puts_back_a_file_renamed_into_place_after_its_compare(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Another process renames a new file into place between the quarantine's comparison
+    and its rename: the file moved aside is not the one compared, so it goes back, and the
+    object stays in service and on the books; nothing is left in quarantine/."""
+    from kvstore.backends import disk
+
+    be = DiskBackend(tmp_path, fsync=False)
+    (name,) = names(1)
+    bad, good = blob(1), blob(2)
+    assert await be.put_many([(name, bad)]) == [True]
+    path = be.path_of(name)
+    real_holds = disk._holds
+
+    def holds_then_replaced(f, size, expect):  # type: ignore[no-untyped-def]
+        verdict = real_holds(f, size, expect)
+        fresh = path.with_name(path.name + ".new")
+        fresh.write_bytes(good)
+        os.replace(fresh, path)  # as another process publishes a put
+        return verdict
+
+    monkeypatch.setattr(disk, "_holds", holds_then_replaced)
+    assert await be.quarantine(name, "test", expect=bad) is False
+    monkeypatch.undo()
+    assert path.read_bytes() == good and await be.contains_many([name]) == [True]
+    assert list((tmp_path / "quarantine").glob("*")) == []
+    assert be.counters.quarantined == 0
+    assert await be.quarantine(name, "test", expect=bad) is False  # holds the good bytes: left
+    assert await be.quarantine(name, "test", expect=good) is True
+    assert not path.exists() and await be.contains_many([name]) == [False]
+    await be.close()
+
+
 async def test_corruption_is_a_quarantined_counted_miss(tmp_path: Path) -> None:
     tier = Tier(DiskBackend(tmp_path))
     keys = names(4)

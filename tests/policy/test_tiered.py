@@ -770,11 +770,14 @@ async def test_a_demotion_whose_copy_fails_is_an_announced_drop() -> None:
     await store.close()
 
 
-async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few() -> None:
+async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A tier away for a moment keeps its names; an object that fails every read (a
     file with an I/O error, a key of another type) is gone after UNANSWERED_LIMIT reads
     in a row, and on_gone hears of it, so LMCache stops being promised it."""
+    from kvstore.tiered import reads
     from kvstore.tiered.reads import UNANSWERED_LIMIT
+
+    monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
 
     class FailsOne(MemoryBackend):
         bad = ""
@@ -803,12 +806,15 @@ async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few() ->
     await store.close()
 
 
-async def test_a_name_whose_lone_reads_keep_failing_leaves_the_books() -> None:
+async def test_a_name_whose_lone_reads_keep_failing_leaves_the_books(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The object is read alone, batch after batch (as an engine retrieving one prompt
     does), while the tier answers other reads between: it leaves the books after
     UNANSWERED_LIMIT failed reads with answered ones between, on_gone hears of it, and a new put writes it again
     (it was a hit on every lookup and a miss on every read, for ever)."""
+    from kvstore.tiered import reads
     from kvstore.tiered.reads import UNANSWERED_LIMIT
+
+    monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
 
     class FailsOne(MemoryBackend):
         bad = ""
@@ -839,6 +845,49 @@ async def test_a_name_whose_lone_reads_keep_failing_leaves_the_books() -> None:
     await store.put_many([(name(1), chunk(1))])
     assert backend.counters.puts > puts
     assert torch.equal((await store.get_many([name(1)]))[0], chunk(1))
+    await store.close()
+
+
+async def test_a_name_failing_for_less_than_the_minimum_time_stays(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Part of a tier away while the rest answers (a cluster shard failing over): however
+    many reads of a name fail between answered ones, it stays on the books until it has
+    failed for UNANSWERED_MIN_S, and is served again once its part is back."""
+    from kvstore.tiered import reads
+    from kvstore.tiered.reads import UNANSWERED_LIMIT
+
+    class ShardAway(MemoryBackend):
+        away: frozenset[str] = frozenset()
+
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            got = await super().get_many(names, alloc)
+            for k, n in enumerate(names):
+                if n in self.away:
+                    self.counters.get_errors += 1
+                    got[k] = None
+            return got
+
+    clock = [1000.0]
+    monkeypatch.setattr(reads, "clock", lambda: clock[0])
+    backend = ShardAway("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
+    backend.away = frozenset({name(1)})
+    for _ in range(3 * UNANSWERED_LIMIT):
+        clock[0] += 1.0
+        assert await store.get_many([name(1)]) == [None]
+        assert torch.equal((await store.get_many([name(2)]))[0], chunk(2))
+        assert await store.get_many([name(1), name(2)]) != [None, None]
+    assert gone == [] and name(1) in store.placement.tiers[0].resident
+    backend.away = frozenset()
+    assert torch.equal((await store.get_many([name(1)]))[0], chunk(1))
+    backend.away = frozenset({name(1)})  # and failing for longer than the minimum: gone
+    for _ in range(UNANSWERED_LIMIT + 1):
+        clock[0] += reads.UNANSWERED_MIN_S
+        await store.get_many([name(1)])
+        await store.get_many([name(2)])
+    assert gone == [name(1)]
     await store.close()
 
 

@@ -423,14 +423,21 @@ async def test_quarantine_deletes_only_the_copy_it_compared(redis_server, monkey
 
         def pipeline(*args, **kwargs):  # type: ignore[no-untyped-def]
             pipe = real_pipeline(*args, **kwargs)
-            real_pipe_get = pipe.get
+            real_command = pipe.execute_command
 
-            async def get(key):  # type: ignore[no-untyped-def]
-                value = await real_pipe_get(key)
-                await rewrite()
-                return value
+            def execute_command(*cmd, **kw):  # type: ignore[no-untyped-def]
+                reply = real_command(*cmd, **kw)
+                if cmd[0] != "GET":
+                    return reply
 
-            pipe.get = get
+                async def then_rewrite():  # type: ignore[no-untyped-def]
+                    value = await reply
+                    await rewrite()
+                    return value
+
+                return then_rewrite()
+
+            pipe.execute_command = execute_command
             return pipe
 
         monkeypatch.setattr(b.client, "pipeline", pipeline)

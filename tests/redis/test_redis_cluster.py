@@ -73,3 +73,21 @@ async def test_cluster_node_down_is_counted_then_recovers(redis_cluster):
     assert all(ok)
     assert [bytes(g) for g in await b.get_many(names)] == [n.encode() for n in names]
     await b.close()
+
+
+@pytest.mark.parametrize("size", [300 * 1024, 3 * MiB])  # one value; parts (part_size=1MiB)
+async def test_cluster_quarantine_deletes_what_it_compared_and_keeps_a_rewrite(redis_cluster, size):
+    """On a cluster, verify's quarantine deletes the value (and a multi-part one's parts)
+    when it still holds the bytes read, and deletes nothing when another copy is there."""
+    b = open_backend(f"{redis_cluster.url}?part_size=1MiB&timeout=5")
+    name = f"ns/m/vllm-1-0/q{size}"
+    bad, good = os.urandom(size), os.urandom(size)
+    assert await b.put_many([(name, bad)]) == [True]
+    assert await b.quarantine(name, "test", expect=good) is False  # not what it holds
+    got = await b.get(name)
+    assert got is not None and bytes(got) == bad
+    assert await b.quarantine(name, "test", expect=bad) is True
+    assert await b.contains_many([name]) == [False]
+    assert await b.client.exists(data_key("kv:", name), parts_key("kv:", name)) == 0  # (one slot: {name})
+    assert b.counters.quarantined == 1
+    await b.close()

@@ -208,3 +208,25 @@ async def test_quarantine_deletes_only_the_copy_it_compared(s3_url) -> None:  # 
     assert await b.quarantine(name, "test", expect=bytes(got)) is True
     assert await b.contains_many([name]) == [False]
     await b.close()
+
+
+async def test_quarantine_refuses_where_deletes_ignore_if_match(s3_url) -> None:  # type: ignore[no-untyped-def]
+    """A server that deletes regardless of If-Match (asked once, on a probe object)
+    quarantines nothing: the delete could take a copy written since the read."""
+    b = open_backend(s3_url())
+    name = "ns/m/vllm-1-0/q2"
+    bad = os.urandom(4096)
+    assert await b.put_many([(name, bad)]) == [True]
+    client = b._client
+    real = client.delete_object
+
+    async def unconditional(**kw):  # type: ignore[no-untyped-def]
+        kw.pop("IfMatch", None)
+        return await real(**kw)
+
+    client.delete_object = unconditional
+    assert await b.quarantine(name, "test", expect=bad) is False
+    assert await b.contains_many([name]) == [True]
+    assert [i.name async for i in b.list("")] == [name]  # the probe object went too
+    client.delete_object = real
+    await b.close()
