@@ -37,6 +37,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import statistics
 import subprocess
 import sys
@@ -108,7 +109,16 @@ def start_server(mode: str, root: Path, port: int, args: argparse.Namespace) -> 
 
 
 def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+    """Bytes of the files under `path` (files renamed or removed while it looks are skipped)."""
+    total = 0
+    for p in path.rglob("*") if path.exists() else ():
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
 
 
 def settle(path: Path, quiet_s: float, most_s: float = 60.0) -> None:

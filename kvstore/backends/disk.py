@@ -1123,7 +1123,8 @@ class DiskBackend(Backend):
             if now is not None or self.counters.get_errors != errors:
                 return False
         src = self.path_of(name)
-        dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{src.name}"
+        # unique across processes quarantining the same name in the same millisecond
+        dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{os.getpid()}-{next(_QUARANTINE_IDS)}-{src.name}"
         try:
             moved = await asyncio.to_thread(_move_aside, src, dst, self.quarantine_dir, expect)
         except FileNotFoundError:
@@ -1171,6 +1172,9 @@ class DiskBackend(Backend):
             return "file events"
         return f"stat ({watch.failed})" if watch.failed else "stat (listing the folders)"
 
+
+
+_QUARANTINE_IDS = itertools.count()
 
 
 def _move_aside(src: Path, dst: Path, quarantine_dir: Path, expect: bytes | memoryview | None) -> bool:

@@ -936,7 +936,8 @@ class RedisBackend(Backend):
                 return True
 
         try:
-            done = await asyncio.wait_for(compare_and_delete(), self.options.deadline(len(expect or b"")))
+            size = len(expect) if expect is not None else self.max_object_bytes  # (incomplete: what is left)
+            done = await asyncio.wait_for(compare_and_delete(), self.options.deadline(size))
         except WatchError:
             return False  # written since it was read: the new copy stays
         except FAULTS as exc:
@@ -1008,7 +1009,8 @@ class RedisBackend(Backend):
                 sec, usec = await asyncio.wait_for(self.client.time(), self.options.timeout)
                 self._clock_offset = sec + usec / 1e6 - time.time()
             except Exception as exc:  # a denied TIME, a fault: this host's clock will do
-                log.debug("redis TIME failed (%s); using this host's clock", exc)
+                log.warning("redis TIME failed on %s (%s); multi-part writes and gc use this host's clock",
+                            redact_url(self.url), exc)
             self._clock_asked = now
         return now + self._clock_offset
 
@@ -1029,6 +1031,7 @@ class RedisBackend(Backend):
         if grace_s is None:
             grace_s = max(GC_GRACE_MIN, 2 * self.options.deadline(self.max_object_bytes))
         pattern = layout.glob_escape(pfx + "{") + "*" + layout.glob_escape("}" + layout.PARTS_SUFFIX)
+        now = await self._server_clock(fresh=True)  # (as the scan starts: later writes only look younger)
         try:
             async for raw in self.client.scan_iter(match=pattern, count=1000):
                 hkey = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
@@ -1038,7 +1041,6 @@ class RedisBackend(Backend):
                 head = await self.client.getrange(layout.data_key(pfx, name), 0, layout.MANIFEST_LEN)
                 manifest = layout.decode_manifest(head)
                 live = manifest.generation.hex() if manifest is not None else None
-                now = await self._server_clock(fresh=True)
                 stale = []
                 for f in await self.client.hkeys(hkey):
                     if layout.generation_hex(f) == live:

@@ -193,6 +193,7 @@ class S3Backend(Backend):
         self._threads: ThreadPoolExecutor | None = None
         self._ca_bundle: str | None = None
         self._conditional_delete: bool | None = None  # does the server honour If-Match on DELETE?
+        self._probe_lock: asyncio.Lock | None = None
 
     @classmethod
     def from_url(cls, url: str) -> S3Backend:
@@ -880,11 +881,18 @@ class S3Backend(Backend):
         finds nothing."""
         if expect is None:
             return await super().quarantine(name, reason, unreadable=unreadable)
-        if not await self._deletes_conditionally():
+        honoured = await self._deletes_conditionally()
+        if not honoured:
+            why = (
+                "could not ask whether it honours If-Match on DELETE (a probe object under the prefix "
+                "could not be written and deleted; see -v)"
+                if honoured is None
+                else "does not honour If-Match on DELETE (a copy written since the read could go with it)"
+            )
             log.warning(
-                "S3 at %s does not honour If-Match on DELETE, so %s is not quarantined "
-                "(a copy written since it was read could go with it); delete it by hand if it is still bad",
+                "S3 at %s %s, so %s is not quarantined; delete it by hand if it is still bad",
                 redact_url(self.url),
+                why,
                 printable_name(name),
             )
             return False
@@ -916,34 +924,44 @@ class S3Backend(Backend):
         log.warning("S3: quarantined (deleted) %s: %s", printable_name(name), reason)
         return True
 
-    async def _deletes_conditionally(self) -> bool:
+    async def _deletes_conditionally(self) -> bool | None:
         """Whether DELETE honours If-Match here: a probe object under the prefix is deleted
-        with an ETag it does not have; the server must answer 412 and keep it.  Asked once;
-        a server that cannot be asked counts as not honouring it, until asked again."""
+        with an ETag it does not have; the server must answer 412 and keep it.  The answer
+        is kept; None (not kept) when the probe itself failed (a fault, a read-only
+        prefix).  Concurrent callers share one probe."""
         if self._conditional_delete is not None:
             return self._conditional_delete
-        o = self.options
-        key = o.key(PROBE_PREFIX + secrets.token_hex(12))
+        if self._probe_lock is None:
+            self._probe_lock = asyncio.Lock()
+        async with self._probe_lock:
+            if self._conditional_delete is not None:
+                return self._conditional_delete
+            o = self.options
+            key = o.key(PROBE_PREFIX + secrets.token_hex(12))
 
-        async def probe() -> bool:
-            await self._request(self._client.put_object, Bucket=o.bucket, Key=key, Body=b"probe")
-            try:
+            async def probe() -> bool:
+                put = await self._request(self._client.put_object, Bucket=o.bucket, Key=key, Body=b"probe")
+                version = {"VersionId": put["VersionId"]} if put.get("VersionId") else {}
                 try:
                     await self._request(
                         self._client.delete_object, Bucket=o.bucket, Key=key, IfMatch='"0123456789abcdef0123456789abcdef"'
                     )
                 except ClientError as exc:
                     code, status = error_code(exc)
-                    return status == 412 or code == "PreconditionFailed"
+                    if status == 412 or code == "PreconditionFailed":
+                        return True
+                    if status in (400, 501) or code in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                        return False  # the server refuses conditional deletes
+                    raise  # a fault: no answer
+                finally:
+                    await self._request(self._client.delete_object, Bucket=o.bucket, Key=key, **version)
                 return False  # deleted (or claimed so) despite a wrong ETag
-            finally:
-                await self._request(self._client.delete_object, Bucket=o.bucket, Key=key)
 
-        answer = await self._guarded(probe)
-        if isinstance(answer, bool):
-            self._conditional_delete = answer
-            return answer
-        return False
+            answer = await self._guarded(probe)
+            if isinstance(answer, bool):
+                self._conditional_delete = answer
+                return answer
+            return None
 
     async def _delete_batch(self, keys: list[str]) -> set[str]:
         """DeleteObjects for ≤ 1000 keys; returns the keys the server failed to delete."""

@@ -379,7 +379,11 @@ def gc(
     for name in report.foreign:
         click.echo(f"not a kvstore frame, left as it is: {printable_name(name)}", err=True)
     for name in report.unreadable:
-        click.echo(f"its reads fail, so its age is unknown; left (see -v): {printable_name(name)}", err=True)
+        click.echo(
+            f"nothing of it could be read back, so its age is unknown; left (see -v; `kvstore verify` "
+            f"tells a damaged one): {printable_name(name)}",
+            err=True,
+        )
     for name in report.uploads_not_aborted:
         click.echo(f"could not abort the unfinished upload of: {printable_name(name)}", err=True)
     if _report_unlisted(report.unlisted) or report.not_deleted or report.uploads_not_aborted:

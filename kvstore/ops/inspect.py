@@ -251,7 +251,8 @@ class GcReport:
     unlisted: list[tuple[str, str]] = field(default_factory=list)
     not_deleted: list[str] = field(default_factory=list)  # chosen, but still there after delete
     foreign: list[str] = field(default_factory=list)  # not kvstore frames (another program's keys): left
-    unreadable: list[str] = field(default_factory=list)  # its reads failed (errors counted): left
+    unreadable: list[str] = field(default_factory=list)  # listed and there, but nothing of it read back: left
+    vanished: int = 0  # listed, then gone before its header was read
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -276,7 +277,7 @@ async def gc_store(
     With `namespace`, only that namespace is considered and `max_bytes` is its budget.
     Age is the frame's creation time where readable, else the object's mtime. Objects
     that are not kvstore frames (no frame magic) are reported in ``foreign`` and left, as
-    are objects whose reads fail (``unreadable``: their age is unknown).
+    are objects of which nothing could be read (``unreadable``: their age is unknown).
     """
     listed = await list_objects(backend, prefix, namespace)
     report = GcReport(url=redact_url(backend.url), dry_run=dry_run, unlisted=list(backend.unlisted))
@@ -287,19 +288,19 @@ async def gc_store(
     unknown = [o for o, h in zip(listed, headers) if h is None]
     heads = list(await backend.read_heads([o.name for o in unknown], len(MAGIC))) if unknown else []
     for k, o in enumerate(unknown):
-        if heads[k] is not None:
-            continue
-        # nothing read: once more, alone (a Redis multi-part value caught mid-overwrite
-        # reads as absent), counting this object's errors
-        errors = backend.counters.get_errors
-        (heads[k],) = await backend.read_heads([o.name], len(MAGIC))
-        if heads[k] is None and backend.counters.get_errors != errors:
-            # its read fails: its age is unknown (a Redis listing has no mtime) and it
-            # may be a good object, so it is left; one that reads as absent without an
-            # error (gone, or a multi-part value that lost parts) is aged as listed
-            report.unreadable.append(o.name)
+        if heads[k] is None:  # once more, alone (a Redis multi-part value caught mid-overwrite reads as absent)
+            (heads[k],) = await backend.read_heads([o.name], len(MAGIC))
+    blank = [o.name for o, head in zip(unknown, heads) if head is None]
+    if blank:
+        # nothing of it could be read: a failed read, a value caught mid-overwrite twice,
+        # or a multi-part value that lost parts. Its age is unknown (a Redis listing has no
+        # mtime) and it may be a good object or another program's, so it is left (verify
+        # tells an incomplete one apart); one no longer there is simply gone
+        there = await backend.contains_many(blank)
+        report.unreadable = [n for n, t in zip(blank, there) if t]
+        report.vanished = sum(not t for t in there)
     report.foreign = [o.name for o, head in zip(unknown, heads) if head is not None and bytes(head[: len(MAGIC)]) != MAGIC]
-    left = set(report.foreign) | set(report.unreadable)
+    left = set(report.foreign) | set(blank)
     objects = [o for o in listed if o.name not in left]
     created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(listed, headers)}
     report.before_objects = len(objects)

@@ -44,6 +44,10 @@ UNANSWERED_MIN_S = 30.0
 while the rest answers (a Redis Cluster shard failing over, a flapping link) does not
 cost its names."""
 
+UNANSWERED_FORGET_S = 600.0
+"""A name whose last failed read is older than this starts a new streak (the count of a
+fault long past does not shorten the next one)."""
+
 
 class Reader:
     def __init__(self, parts: Parts, lookup: Lookup, mover: Mover) -> None:
@@ -51,8 +55,8 @@ class Reader:
         self.lookup = lookup
         self.mover = mover
         # (tier, name) -> (failed reads counted in a row, the tier's answers at the last
-        # one, when the first was counted)
-        self._unanswered: dict[tuple[int, str], tuple[int, int, float]] = {}
+        # one, when the first was counted, when the last failed)
+        self._unanswered: dict[tuple[int, str], tuple[int, int, float, float]] = {}
         self._answers: list[int] = [0] * len(parts.tiers)  # reads each tier answered (found or not)
 
     async def get_many(self, names: Sequence[str], out: Sequence[Out] | None, now: float) -> list[torch.Tensor | None]:
@@ -128,7 +132,9 @@ class Reader:
         key = (j, name)
         answers = self._answers[j]
         now = clock()
-        seen, mark, first = self._unanswered.get(key, (0, answers, now))
+        seen, mark, first, last = self._unanswered.get(key, (0, answers, now, now))
+        if now - last > UNANSWERED_FORGET_S:  # failures long ago: a new streak
+            seen = 0
         if answering or answers > mark:  # the tier answers reads: this object's fail
             if seen == 0:
                 first = now
@@ -139,7 +145,7 @@ class Reader:
                 return r  # gone after all
         if key not in self._unanswered and len(self._unanswered) >= 65536:
             del self._unanswered[next(iter(self._unanswered))]  # names never read again: forget the oldest
-        self._unanswered[key] = (seen, answers, first)
+        self._unanswered[key] = (seen, answers, first, now)
         return ReadResult(None, UNAVAILABLE, 0)
 
     async def _read_group(

@@ -259,9 +259,9 @@ def test_wrong_s3_credentials_are_exit_3_with_the_fix(s3_url, monkeypatch) -> No
 
 
 async def test_gc_leaves_an_object_whose_header_it_could_not_read(redis_url) -> None:  # type: ignore[no-untyped-def]
-    """A Redis listing has no modification time: an object whose header reads failed was
-    aged from 0, so any --older-than deleted it and --max-bytes took it first. Now it is
-    reported and left."""
+    """A Redis listing has no modification time: an object of which nothing could be read
+    back (a failed read, a value caught mid-overwrite) was aged from 0, so any
+    --older-than deleted it and --max-bytes took it first. Now it is reported and left."""
     from kvstore.backends import open_backend
     from kvstore.ops.inspect import gc_store
 
@@ -273,8 +273,6 @@ async def test_gc_leaves_an_object_whose_header_it_could_not_read(redis_url) -> 
 
     async def read_heads(ns, nbytes):  # type: ignore[no-untyped-def]
         got = await real(ns, nbytes)
-        if names[1] in ns:
-            b.counters.get_errors += 1  # as a failed read is counted
         return [None if n == names[1] else g for n, g in zip(ns, got)]
 
     b.read_heads = read_heads  # type: ignore[method-assign]
