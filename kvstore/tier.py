@@ -208,7 +208,7 @@ class Tier:
         try:
             return await check_frame(raw, name)
         except FrameError as exc:
-            await self.quarantine(name, exc)
+            await self.quarantine(name, exc, read=raw)
             return None
 
     def decoder(self, codec: str) -> codecs.Codec:
@@ -222,9 +222,11 @@ class Tier:
         """`frame` of object `name` (read from this tier) as a frame of codec `target`."""
         return transcode(frame, name, target, self.decoder(frame.header.codec))
 
-    async def quarantine(self, name: str, exc: Exception) -> None:
+    async def quarantine(self, name: str, exc: Exception, *, read: memoryview | None = None) -> None:
         """Take defective object `name` out of service: counted (a corrupt miss), logged,
-        and handed to the backend's quarantine; never raises."""
+        and handed to the backend's quarantine; never raises.  With `read` (the bytes
+        found defective), the backend takes the object only while it still holds them,
+        so a good copy another process wrote since the read stays in service."""
         self.counters.corrupt += 1
         self.counters.misses += 1
         log.warning(
@@ -234,7 +236,7 @@ class Tier:
             exc,
         )
         try:
-            await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}")
+            await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}", expect=read)
         except Exception:  # a failing quarantine must not turn a miss into a crash
             log.exception("kvstore: could not quarantine %s", printable_name(name))
 

@@ -110,6 +110,38 @@ async def test_quarantine_puts_back_a_file_renamed_into_place_after_its_compare(
     await be.close()
 
 
+async def test_a_read_of_a_corrupt_object_leaves_a_good_copy_written_since(tmp_path: Path) -> None:
+    """An engine's read finds an object corrupt; before it is quarantined, another process
+    stores the chunk again: that read is a miss, and the new copy stays in service."""
+    be = DiskBackend(tmp_path, fsync=False)
+    tier = Tier(be)
+    (name,) = names(1)
+    value = torch.arange(4096, dtype=torch.float32)
+    await tier.put_many([(name, value)])
+    (raw,) = await be.get_many([name])
+    good = bytes(raw)
+    bad = bytearray(good)
+    bad[-3] ^= 0x04
+    assert await be.put_many([(name, bytes(bad))]) == [True]
+    real = be.get_many
+    once = [True]
+
+    async def get_many(ns, alloc=None):  # type: ignore[no-untyped-def]
+        got = await real(ns, alloc)
+        if once[0]:
+            once[0] = False
+            assert await be.put_many([(name, good)]) == [True]  # lands after the read
+        return got
+
+    be.get_many = get_many  # type: ignore[method-assign]
+    assert (await tier.get_frames([name])) == [None]
+    be.get_many = real  # type: ignore[method-assign]
+    assert tier.counters.corrupt == 1 and be.counters.quarantined == 0
+    (got,) = await tier.get_many([name])
+    assert got is not None and torch.equal(got, value)
+    await tier.close()
+
+
 async def test_corruption_is_a_quarantined_counted_miss(tmp_path: Path) -> None:
     tier = Tier(DiskBackend(tmp_path))
     keys = names(4)
