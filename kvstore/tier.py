@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -198,17 +199,18 @@ class Tier:
 
     async def _frames(self, names: Sequence[str], alloc: Alloc | None) -> list[Frame | None]:
         """`get_frames` without counting hits (the caller decodes, then counts)."""
+        started = time.time()
         raws = await self.backend.get_many(names, alloc)
-        return list(await asyncio.gather(*(self._verify(n, raw) for n, raw in zip(names, raws))))
+        return list(await asyncio.gather(*(self._verify(n, raw, started) for n, raw in zip(names, raws))))
 
-    async def _verify(self, name: str, raw: memoryview | None) -> Frame | None:
+    async def _verify(self, name: str, raw: memoryview | None, started: float) -> Frame | None:
         if raw is None:
             self.counters.misses += 1
             return None
         try:
             return await check_frame(raw, name)
         except FrameError as exc:
-            await self.quarantine(name, exc, read=raw)
+            await self.quarantine(name, exc, unchanged_since=started)
             return None
 
     def decoder(self, codec: str) -> codecs.Codec:
@@ -222,11 +224,12 @@ class Tier:
         """`frame` of object `name` (read from this tier) as a frame of codec `target`."""
         return transcode(frame, name, target, self.decoder(frame.header.codec))
 
-    async def quarantine(self, name: str, exc: Exception, *, read: memoryview | None = None) -> None:
+    async def quarantine(self, name: str, exc: Exception, *, unchanged_since: float | None = None) -> None:
         """Take defective object `name` out of service: counted (a corrupt miss), logged,
-        and handed to the backend's quarantine; never raises.  With `read` (the bytes
-        found defective), the backend takes the object only while it still holds them,
-        so a good copy another process wrote since the read stays in service."""
+        and handed to the backend's quarantine; never raises.  With `unchanged_since`
+        (when the read that found it defective began), backends that can tell (disk)
+        take it only if it has not changed since, so a good copy another process stored
+        in between stays in service."""
         self.counters.corrupt += 1
         self.counters.misses += 1
         log.warning(
@@ -236,7 +239,7 @@ class Tier:
             exc,
         )
         try:
-            await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}", expect=read)
+            await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}", unchanged_since=unchanged_since)
         except Exception:  # a failing quarantine must not turn a miss into a crash
             log.exception("kvstore: could not quarantine %s", printable_name(name))
 

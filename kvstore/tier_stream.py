@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Union
 
@@ -99,6 +100,7 @@ async def read_streamed(
 
     sinks = [FrameSink(name, placer(k)) for k, name in enumerate(names)]
     verdicts: list[object | None]
+    started = time.time()  # a defective object is quarantined only if unchanged since (disk)
     if tier.capabilities.streamed_reads:
         order = iter(sinks)  # one sink per name, taken in order (a name may repeat)
         reading = asyncio.ensure_future(tier.backend.read_streamed(names, lambda _name: next(order)))
@@ -144,7 +146,7 @@ async def read_streamed(
             rest.append(k)
             res.append(ReadResult(None, GONE, 0))
         elif sink.error is not None:
-            await tier.quarantine(name, sink.error)
+            await tier.quarantine(name, sink.error, unchanged_since=started)
             res.append(ReadResult(None, GONE, 0))
         elif header is None:  # no error, yet no header: cannot happen; a miss
             c.misses += 1

@@ -265,7 +265,13 @@ class Backend(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not stream reads")
 
     async def quarantine(
-        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+        self,
+        name: str,
+        reason: str,
+        *,
+        expect: bytes | memoryview | None = None,
+        unreadable: bool = False,
+        unchanged_since: float | None = None,
     ) -> bool:
         """Take a corrupt object out of service; True when it was taken.
 
@@ -274,7 +280,9 @@ class Backend(abc.ABC):
         absent: a copy written since the check read it (a repair, a rewrite) stays in
         service.  Here: read again, compare, delete (a write landing between the
         comparison and the delete goes too); backends with a conditional delete or a
-        side area override this.
+        side area override this.  `unchanged_since` (the time a streamed read began)
+        is for backends that can tell when an object last changed (disk): they take it
+        only if it has not changed since; others ignore it.
         """
         if expect is not None or unreadable:
             errors = self.counters.get_errors

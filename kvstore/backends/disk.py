@@ -1105,7 +1105,13 @@ class DiskBackend(Backend):
                 yield ObjectInfo(name, st.st_size, st.st_mtime)
 
     async def quarantine(
-        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+        self,
+        name: str,
+        reason: str,
+        *,
+        expect: bytes | memoryview | None = None,
+        unreadable: bool = False,
+        unchanged_since: float | None = None,
     ) -> bool:
         """Move the object's file into ``quarantine/`` (with a ``.reason`` beside it).
 
@@ -1114,7 +1120,10 @@ class DiskBackend(Backend):
         checked to be the one compared (a file another process renamed into place in
         between is put back, unless a newer one is there by then).  A file written since
         the check read the object stays in service.  With `unreadable`, only while a read
-        still finds nothing (and fails on nothing).
+        still finds nothing (and fails on nothing).  With `unchanged_since` (when a
+        streamed read of it began), only a file whose change time is older, by
+        `CTIME_MARGIN_S` for the kernel's coarse clock: a file renamed into place since
+        (a rename sets its change time) is not the one that read found defective.
         """
         await self._open()
         if unreadable:
@@ -1124,9 +1133,10 @@ class DiskBackend(Backend):
                 return False
         src = self.path_of(name)
         # unique across processes quarantining the same name in the same millisecond
-        dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{os.getpid()}-{next(_QUARANTINE_IDS)}-{src.name}"
+        # (the name's start only: the .reason file beside it holds the whole name)
+        dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{os.getpid()}-{next(_QUARANTINE_IDS)}-{src.name[:160]}"
         try:
-            moved = await asyncio.to_thread(_move_aside, src, dst, self.quarantine_dir, expect)
+            moved = await asyncio.to_thread(_move_aside, src, dst, self.quarantine_dir, expect, unchanged_since)
         except FileNotFoundError:
             self._sizes.pop(name, None)
             await self._index_call(self.index.drop, [name])
@@ -1175,18 +1185,24 @@ class DiskBackend(Backend):
 
 
 _QUARANTINE_IDS = itertools.count()
+CTIME_MARGIN_S = 0.05  # file change times come from a coarse clock (a few ms behind time.time())
 
 
-def _move_aside(src: Path, dst: Path, quarantine_dir: Path, expect: bytes | memoryview | None) -> bool:
-    """Rename `src` to `dst`; with `expect`, only the file holding those bytes (see
-    `DiskBackend.quarantine`).  True when a file was moved aside and stays there."""
+def _move_aside(
+    src: Path, dst: Path, quarantine_dir: Path, expect: bytes | memoryview | None, unchanged_since: float | None
+) -> bool:
+    """Rename `src` to `dst`; with `expect`, only the file holding those bytes, with
+    `unchanged_since`, only one that has not changed since (see `DiskBackend.quarantine`).
+    True when a file was moved aside and stays there."""
     os.makedirs(quarantine_dir, exist_ok=True)  # (removed while running?)
-    if expect is None:
+    if expect is None and unchanged_since is None:
         os.replace(src, dst)
         return True
     with open(src, "rb") as f:
         st = os.fstat(f.fileno())
-        if not _holds(f, st.st_size, expect):
+        if unchanged_since is not None and st.st_ctime_ns > (unchanged_since - CTIME_MARGIN_S) * 1e9:
+            return False
+        if expect is not None and not _holds(f, st.st_size, expect):
             return False
         os.replace(src, dst)
     moved = os.lstat(dst)

@@ -897,7 +897,13 @@ class RedisBackend(Backend):
         return out
 
     async def quarantine(
-        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+        self,
+        name: str,
+        reason: str,
+        *,
+        expect: bytes | memoryview | None = None,
+        unreadable: bool = False,
+        unchanged_since: float | None = None,  # (a stream's start: no change time to compare here)
     ) -> bool:
         """Delete a corrupt object; with `expect`, only while it still holds those bytes,
         with `unreadable`, only while it still reads as absent (a part lost).

@@ -210,6 +210,7 @@ class S3Backend(Backend):
         if self._lock is None or self._loop is not loop:
             # first use, or a new event loop: a client belongs to the loop it was opened in
             self._lock, self._loop, self._client, self._verified = asyncio.Lock(), loop, None, False
+            self._probe_lock = None  # (a lock belongs to its loop)
         async with self._lock:
             if self._client is None:
                 from aiobotocore.session import get_session
@@ -870,7 +871,13 @@ class S3Backend(Backend):
         return out
 
     async def quarantine(
-        self, name: str, reason: str, *, expect: bytes | memoryview | None = None, unreadable: bool = False
+        self,
+        name: str,
+        reason: str,
+        *,
+        expect: bytes | memoryview | None = None,
+        unreadable: bool = False,
+        unchanged_since: float | None = None,  # (a stream's start: no change time to compare here)
     ) -> bool:
         """Delete a corrupt object; with `expect`, only while it still holds those bytes:
         the object is read again and compared, then deleted with ``If-Match`` on the ETag
@@ -939,9 +946,12 @@ class S3Backend(Backend):
             o = self.options
             key = o.key(PROBE_PREFIX + secrets.token_hex(12))
 
+            version: dict[str, str] = {}
+
             async def probe() -> bool:
                 put = await self._request(self._client.put_object, Bucket=o.bucket, Key=key, Body=b"probe")
-                version = {"VersionId": put["VersionId"]} if put.get("VersionId") else {}
+                if put.get("VersionId"):
+                    version["VersionId"] = put["VersionId"]
                 try:
                     await self._request(
                         self._client.delete_object, Bucket=o.bucket, Key=key, IfMatch='"0123456789abcdef0123456789abcdef"'
@@ -950,18 +960,30 @@ class S3Backend(Backend):
                     code, status = error_code(exc)
                     if status == 412 or code == "PreconditionFailed":
                         return True
-                    if status in (400, 501) or code in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
+                    if status == 501 or code in ("NotImplemented", "InvalidArgument", "InvalidRequest"):
                         return False  # the server refuses conditional deletes
                     raise  # a fault: no answer
-                finally:
-                    await self._request(self._client.delete_object, Bucket=o.bucket, Key=key, **version)
                 return False  # deleted (or claimed so) despite a wrong ETag
 
             answer = await self._guarded(probe)
+            await self._remove_probe(key, version)
             if isinstance(answer, bool):
                 self._conditional_delete = answer
                 return answer
             return None
+
+    async def _remove_probe(self, key: str, version: dict[str, str]) -> None:
+        """Best effort, under the deadline: a probe left behind is only a few bytes, and
+        listings leave probes out."""
+        o = self.options
+        for extra in ([version, {}] if version else [{}]):  # (a role may not delete versions)
+            try:
+                await asyncio.wait_for(
+                    self._request(self._client.delete_object, Bucket=o.bucket, Key=key, **extra), o.timeout
+                )
+                return
+            except Exception as exc:
+                log.debug("S3: could not remove the probe %s: %r", key, exc)
 
     async def _delete_batch(self, keys: list[str]) -> set[str]:
         """DeleteObjects for ≤ 1000 keys; returns the keys the server failed to delete."""

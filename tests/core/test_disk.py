@@ -111,8 +111,9 @@ async def test_quarantine_puts_back_a_file_renamed_into_place_after_its_compare(
 
 
 async def test_a_read_of_a_corrupt_object_leaves_a_good_copy_written_since(tmp_path: Path) -> None:
-    """An engine's read finds an object corrupt; before it is quarantined, another process
-    stores the chunk again: that read is a miss, and the new copy stays in service."""
+    """A frame read (`get_frames`) finds an object corrupt; another process stores the
+    chunk again before the quarantine: the read is a miss, and the new copy stays in
+    service; with nothing written in between, the corrupt file is quarantined."""
     be = DiskBackend(tmp_path, fsync=False)
     tier = Tier(be)
     (name,) = names(1)
@@ -122,23 +123,63 @@ async def test_a_read_of_a_corrupt_object_leaves_a_good_copy_written_since(tmp_p
     good = bytes(raw)
     bad = bytearray(good)
     bad[-3] ^= 0x04
-    assert await be.put_many([(name, bytes(bad))]) == [True]
-    real = be.get_many
-    once = [True]
+    for rewrite in (True, False):
+        assert await be.put_many([(name, bytes(bad))]) == [True]
+        await asyncio.sleep(0.1)  # (older than the change-time margin)
+        real = be.get_many
 
-    async def get_many(ns, alloc=None):  # type: ignore[no-untyped-def]
-        got = await real(ns, alloc)
-        if once[0]:
-            once[0] = False
-            assert await be.put_many([(name, good)]) == [True]  # lands after the read
-        return got
+        async def get_many(ns, alloc=None, real=real, rewrite=rewrite):  # type: ignore[no-untyped-def]
+            got = await real(ns, alloc)
+            if rewrite:
+                assert await be.put_many([(name, good)]) == [True]  # lands after the read
+            return got
 
-    be.get_many = get_many  # type: ignore[method-assign]
-    assert (await tier.get_frames([name])) == [None]
-    be.get_many = real  # type: ignore[method-assign]
-    assert tier.counters.corrupt == 1 and be.counters.quarantined == 0
-    (got,) = await tier.get_many([name])
-    assert got is not None and torch.equal(got, value)
+        be.get_many = get_many  # type: ignore[method-assign]
+        assert (await tier.get_frames([name])) == [None]
+        be.get_many = real  # type: ignore[method-assign]
+        if rewrite:
+            assert be.counters.quarantined == 0
+            (got,) = await tier.get_many([name])
+            assert got is not None and torch.equal(got, value)
+        else:
+            assert be.counters.quarantined == 1 and await be.contains_many([name]) == [False]
+    await tier.close()
+
+
+async def test_a_streamed_read_of_a_corrupt_file_leaves_a_file_renamed_in_since(tmp_path: Path) -> None:
+    """The disk tier's mapped read finds a file corrupt; another process stores the chunk
+    again before the quarantine: the new file (its change time after the read began)
+    stays in service; with nothing written in between, the corrupt file is quarantined."""
+    be = DiskBackend(tmp_path, fsync=False)
+    tier = Tier(be)
+    assert tier.capabilities.streamed_reads
+    (name,) = names(1)
+    value = torch.arange(4096, dtype=torch.float32)
+    await tier.put_many([(name, value)])
+    (raw,) = await be.get_many([name])
+    good = bytes(raw)
+    bad = bytearray(good)
+    bad[-3] ^= 0x04
+    for rewrite in (True, False):
+        assert await be.put_many([(name, bytes(bad))]) == [True]
+        await asyncio.sleep(0.1)  # (older than the change-time margin)
+        real = be.read_streamed
+
+        async def read_streamed(ns, open_sink, real=real, rewrite=rewrite):  # type: ignore[no-untyped-def]
+            got = await real(ns, open_sink)
+            if rewrite:
+                assert await be.put_many([(name, good)]) == [True]  # lands after the read
+            return got
+
+        be.read_streamed = read_streamed  # type: ignore[method-assign]
+        assert (await tier.get_many([name], out=[torch.empty_like(value)])) == [None]  # into a target: streamed
+        be.read_streamed = real  # type: ignore[method-assign]
+        if rewrite:
+            assert be.counters.quarantined == 0
+            (got,) = await tier.get_many([name])
+            assert got is not None and torch.equal(got, value)
+        else:
+            assert be.counters.quarantined == 1 and await be.contains_many([name]) == [False]
     await tier.close()
 
 
@@ -154,6 +195,7 @@ async def test_corruption_is_a_quarantined_counted_miss(tmp_path: Path) -> None:
     flip.write_bytes(bytes(data))
     trunc.write_bytes(trunc.read_bytes()[:-10])
     garbage.write_bytes(b"\x00garbage header" * 50)
+    await asyncio.sleep(0.1)  # (bit rot keeps a file's change time; these writes do not: past the margin)
     got = await tier.get_many(keys)
     assert got[:3] == [None, None, None]
     assert got[3] is not None and torch.equal(got[3], tensors[3])
