@@ -891,6 +891,43 @@ async def test_a_name_failing_for_less_than_the_minimum_time_stays(monkeypatch) 
     await store.close()
 
 
+async def test_failures_long_apart_start_a_new_count(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Failed reads of a name more than UNANSWERED_FORGET_S apart do not add up: two old
+    ones do not shorten the grace of a later outage."""
+    from kvstore.tiered import reads
+    from kvstore.tiered.reads import UNANSWERED_LIMIT
+
+    class FailsOne(MemoryBackend):
+        bad = ""
+
+        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+            got = await super().get_many(names, alloc)
+            for k, n in enumerate(names):
+                if n == self.bad:
+                    self.counters.get_errors += 1
+                    got[k] = None
+            return got
+
+    clock = [1000.0]
+    monkeypatch.setattr(reads, "clock", lambda: clock[0])
+    monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
+    backend = FailsOne("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
+    backend.bad = name(1)
+    for _ in range(3 * UNANSWERED_LIMIT):  # each failure long after the one before
+        clock[0] += reads.UNANSWERED_FORGET_S + 1
+        assert await store.get_many([name(1), name(2)]) != [None, None]
+    assert gone == [] and name(1) in store.placement.tiers[0].resident
+    for _ in range(UNANSWERED_LIMIT):  # close together: they count
+        clock[0] += 1
+        await store.get_many([name(1), name(2)])
+    assert gone == [name(1)]
+    await store.close()
+
+
 async def test_lone_reads_while_the_tier_is_away_keep_the_name() -> None:
     """Failed reads of one name with nothing answered between them (the tier away) do
     not count, however many; one answered read between two failures counts one."""
