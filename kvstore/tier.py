@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from kvstore import checksum
 from kvstore import codec as codecs
 from kvstore.backends import Alloc, Backend, open_backend
-from kvstore.backends.base import Capabilities, redact_url
+from kvstore.backends.base import Capabilities, Defect, redact_url
 from kvstore.buffers import BufferPool
 from kvstore.codec.base import CodecUnavailableError
 from kvstore.frame import Frame, FrameError, decode_frame, encode_frame, seal_frames
@@ -210,7 +210,7 @@ class Tier:
         try:
             return await check_frame(raw, name)
         except FrameError as exc:
-            await self.quarantine(name, exc, unchanged_since=started)
+            await self.quarantine(name, exc, since=started)
             return None
 
     def decoder(self, codec: str) -> codecs.Codec:
@@ -224,10 +224,10 @@ class Tier:
         """`frame` of object `name` (read from this tier) as a frame of codec `target`."""
         return transcode(frame, name, target, self.decoder(frame.header.codec))
 
-    async def quarantine(self, name: str, exc: Exception, *, unchanged_since: float | None = None) -> None:
+    async def quarantine(self, name: str, exc: Exception, *, since: float | None = None) -> None:
         """Take defective object `name` out of service: counted (a corrupt miss), logged,
-        and handed to the backend's quarantine; never raises.  With `unchanged_since`
-        (when the read that found it defective began), backends that can tell (disk)
+        and handed to the backend's quarantine; never raises.  With `since` (when the
+        read that found it defective began), backends that can tell (disk)
         take it only if it has not changed since, so a good copy another process stored
         in between stays in service."""
         self.counters.corrupt += 1
@@ -239,7 +239,8 @@ class Tier:
             exc,
         )
         try:
-            await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}", unchanged_since=unchanged_since)
+            found = Defect(since=since) if since is not None else None
+            await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}", found)
         except Exception:  # a failing quarantine must not turn a miss into a crash
             log.exception("kvstore: could not quarantine %s", printable_name(name))
 

@@ -146,7 +146,7 @@ async def read_streamed(
             rest.append(k)
             res.append(ReadResult(None, GONE, 0))
         elif sink.error is not None:
-            await tier.quarantine(name, sink.error, unchanged_since=started)
+            await tier.quarantine(name, sink.error, since=started)
             res.append(ReadResult(None, GONE, 0))
         elif header is None:  # no error, yet no header: cannot happen; a miss
             c.misses += 1

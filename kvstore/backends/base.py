@@ -18,7 +18,8 @@ Primitives (all batched; one call moves many objects):
   and is gone now; an object that could not be deleted is False, counted in
   ``delete_errors``, never reported deleted).
 * ``list(prefix) -> AsyncIterator[ObjectInfo]`` with sizes.
-* ``quarantine(name, reason)`` takes a corrupt object out of service (default: delete).
+* ``quarantine(name, reason, found)`` takes a corrupt object out of service (default: delete),
+  with `found` (a `Defect`) only while it still is what a check found.
 * ``read_heads(names, nbytes)`` the first `nbytes` of each object (frame headers for
   listing tools); the default reads whole objects, backends override with ranged reads.
 * ``check()`` raises `BackendUnavailableError` saying what to fix when the backend
@@ -264,36 +265,29 @@ class Backend(abc.ABC):
         `capabilities` declare ``streamed_reads``."""
         raise NotImplementedError(f"{type(self).__name__} does not stream reads")
 
-    async def quarantine(
-        self,
-        name: str,
-        reason: str,
-        *,
-        expect: bytes | memoryview | None = None,
-        unreadable: bool = False,
-        unchanged_since: float | None = None,
-    ) -> bool:
+    async def quarantine(self, name: str, reason: str, found: Defect | None = None) -> bool:
         """Take a corrupt object out of service; True when it was taken.
 
-        With `expect` (the bytes a check read and found defective) only while the object
-        still holds exactly those bytes; with `unreadable`, only while it still reads as
-        absent: a copy written since the check read it (a repair, a rewrite) stays in
-        service.  Here: read again, compare, delete (a write landing between the
-        comparison and the delete goes too); backends with a conditional delete or a
-        side area override this.  `unchanged_since` (the time a streamed read began)
-        is for backends that can tell when an object last changed (disk): they take it
-        only if it has not changed since; others ignore it.
+        With `found` (what a check found defective), only while the object still is
+        that: a copy written since the check (a repair, a rewrite) stays in service.
+        Here: read again, compare, delete (a write landing between the comparison and
+        the delete goes too); backends with a conditional delete or a side area
+        override this.
         """
-        if expect is not None or unreadable:
-            errors = self.counters.get_errors
-            (now,) = await self.get_many([name])
-            if now is None and self.counters.get_errors != errors:
-                return False  # the read failed: it tells nothing about the object
-            if not still_defective(now, expect, unreadable):
-                return False
+        if found is not None and (found.read is not None or found.absent) and not await self._still(name, found):
+            return False
         await self.delete_many([name])
         self.counters.quarantined += 1
         return True
+
+    async def _still(self, name: str, found: Defect) -> bool:
+        """Whether `name` reads back as what `found` says a check read (a failed read
+        tells nothing, so it is no)."""
+        errors = self.counters.get_errors
+        (now,) = await self.get_many([name])
+        if now is None and self.counters.get_errors != errors:
+            return False
+        return found.matches(now)
 
     async def read_heads(self, names: Sequence[str], nbytes: int) -> builtins.list[memoryview | None]:
         """The first `nbytes` of each object (None = missing)."""
@@ -367,8 +361,25 @@ def same_bytes(a: bytes | bytearray | memoryview, b: bytes | bytearray | memoryv
     return all(va[i : i + step] == vb[i : i + step] for i in range(0, va.nbytes, step))
 
 
-def still_defective(now: bytes | memoryview | None, expect: bytes | memoryview | None, unreadable: bool) -> bool:
-    """Whether an object read back as `now` is still what a check found defective."""
-    if unreadable:
-        return now is None
-    return now is not None and expect is not None and same_bytes(now, expect)
+@dataclass(frozen=True, slots=True)
+class Defect:
+    """What a check found defective, handed to `Backend.quarantine` so that it takes the
+    object only while it still is that.
+
+    ``read``: the bytes read (taken only while the object holds exactly these);
+    ``absent``: the object was listed but read as absent (taken only while it still
+    reads so); ``since``: when the read began (backends that can tell when an object
+    last changed, as disk can, take it only if it has not changed since).
+    """
+
+    read: bytes | memoryview | None = None
+    absent: bool = False
+    since: float | None = None
+
+    def matches(self, now: bytes | memoryview | None) -> bool:
+        """Whether an object read back as `now` is still what was found."""
+        if self.absent:
+            return now is None
+        if self.read is not None:
+            return now is not None and same_bytes(now, self.read)
+        return True

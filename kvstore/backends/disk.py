@@ -93,6 +93,7 @@ from kvstore.backends.base import (
     BackendStats,
     BackendUnavailableError,
     Capabilities,
+    Defect,
     ObjectInfo,
     Value,
     as_parts,
@@ -1104,39 +1105,27 @@ class DiskBackend(Backend):
             if name.startswith(prefix):
                 yield ObjectInfo(name, st.st_size, st.st_mtime)
 
-    async def quarantine(
-        self,
-        name: str,
-        reason: str,
-        *,
-        expect: bytes | memoryview | None = None,
-        unreadable: bool = False,
-        unchanged_since: float | None = None,
-    ) -> bool:
+    async def quarantine(self, name: str, reason: str, found: Defect | None = None) -> bool:
         """Move the object's file into ``quarantine/`` (with a ``.reason`` beside it).
 
-        With `expect`, only the file that holds exactly those bytes: the file is compared
-        where it is (through an open descriptor), then renamed, and the renamed file is
-        checked to be the one compared (a file another process renamed into place in
-        between is put back, unless a newer one is there by then).  A file written since
-        the check read the object stays in service.  With `unreadable`, only while a read
-        still finds nothing (and fails on nothing).  With `unchanged_since` (when a
-        streamed read of it began), only a file whose change time is older, by
+        With ``found.read``, only the file that holds exactly those bytes: the file is
+        compared where it is (through an open descriptor), then renamed, and the renamed
+        file is checked to be the one compared (a file another process renamed into
+        place in between is put back, unless a newer one is there by then).  With
+        ``found.absent``, only while a read still finds nothing.  With ``found.since``
+        (when the read that found it began), only a file whose change time is older, by
         `CTIME_MARGIN_S` for the kernel's coarse clock: a file renamed into place since
         (a rename sets its change time) is not the one that read found defective.
         """
         await self._open()
-        if unreadable:
-            errors = self.counters.get_errors
-            (now,) = await self.get_many([name])
-            if now is not None or self.counters.get_errors != errors:
-                return False
+        if found is not None and found.absent and not await self._still(name, found):
+            return False
         src = self.path_of(name)
         # unique across processes quarantining the same name in the same millisecond
         # (the name's start only: the .reason file beside it holds the whole name)
         dst = self.quarantine_dir / f"{int(time.time() * 1000)}-{os.getpid()}-{next(_QUARANTINE_IDS)}-{src.name[:160]}"
         try:
-            moved = await asyncio.to_thread(_move_aside, src, dst, self.quarantine_dir, expect, unchanged_since)
+            moved = await asyncio.to_thread(_move_aside, src, dst, self.quarantine_dir, found)
         except FileNotFoundError:
             self._sizes.pop(name, None)
             await self._index_call(self.index.drop, [name])
@@ -1188,21 +1177,18 @@ _QUARANTINE_IDS = itertools.count()
 CTIME_MARGIN_S = 0.05  # file change times come from a coarse clock (a few ms behind time.time())
 
 
-def _move_aside(
-    src: Path, dst: Path, quarantine_dir: Path, expect: bytes | memoryview | None, unchanged_since: float | None
-) -> bool:
-    """Rename `src` to `dst`; with `expect`, only the file holding those bytes, with
-    `unchanged_since`, only one that has not changed since (see `DiskBackend.quarantine`).
-    True when a file was moved aside and stays there."""
+def _move_aside(src: Path, dst: Path, quarantine_dir: Path, found: Defect | None) -> bool:
+    """Rename `src` to `dst`; with `found`, only the file that is still what was found
+    (see `DiskBackend.quarantine`).  True when a file was moved aside and stays there."""
     os.makedirs(quarantine_dir, exist_ok=True)  # (removed while running?)
-    if expect is None and unchanged_since is None:
+    if found is None or (found.read is None and found.since is None):
         os.replace(src, dst)
         return True
     with open(src, "rb") as f:
         st = os.fstat(f.fileno())
-        if unchanged_since is not None and st.st_ctime_ns > (unchanged_since - CTIME_MARGIN_S) * 1e9:
+        if found.since is not None and st.st_ctime_ns > (found.since - CTIME_MARGIN_S) * 1e9:
             return False
-        if expect is not None and not _holds(f, st.st_size, expect):
+        if found.read is not None and not _holds(f, st.st_size, found.read):
             return False
         os.replace(src, dst)
     moved = os.lstat(dst)

@@ -66,13 +66,13 @@ from kvstore.backends.base import (
     BackendStats,
     BackendUnavailableError,
     Capabilities,
+    Defect,
     ObjectInfo,
     Value,
     as_parts,
     bytearray_alloc,
     parts_len,
     redact_url,
-    still_defective,
 )
 from kvstore.backends.inline_gate import InlineGate
 from kvstore.backends.redis_probe import RespProbe
@@ -896,24 +896,17 @@ class RedisBackend(Backend):
         self.counters.deletes += sum(out)
         return out
 
-    async def quarantine(
-        self,
-        name: str,
-        reason: str,
-        *,
-        expect: bytes | memoryview | None = None,
-        unreadable: bool = False,
-        unchanged_since: float | None = None,  # (a stream's start: no change time to compare here)
-    ) -> bool:
-        """Delete a corrupt object; with `expect`, only while it still holds those bytes,
-        with `unreadable`, only while it still reads as absent (a part lost).
+    async def quarantine(self, name: str, reason: str, found: Defect | None = None) -> bool:
+        """Delete a corrupt object; with ``found.read``, only while it still holds those
+        bytes, with ``found.absent``, only while it still reads as absent (a part lost);
+        ``found.since`` tells nothing here (no change time to compare).
 
         The check and the delete are one optimistic transaction: the object's key is
         WATCHed, read and compared (a multi-part value: its parts, through the manifest),
         then UNLINKed with its generation's parts in MULTI/EXEC, which Redis refuses if
         any write reached the key in between (a repair, a rewrite: that copy stays).
         """
-        if expect is None and not unreadable:
+        if found is None or (found.read is None and not found.absent):
             return await super().quarantine(name, reason)
         pfx = self.options.prefix
         dkey, hkey = layout.data_key(pfx, name), layout.parts_key(pfx, name)
@@ -925,15 +918,8 @@ class RedisBackend(Backend):
                 if head is None:
                     return False
                 manifest = layout.decode_manifest(head)
-                if manifest is None:
-                    held: memoryview | bytes | None = head
-                else:
-                    errors = self.counters.get_errors
-                    (held,) = await self.get_many([name])
-                    if held is None and self.counters.get_errors != errors:
-                        return False  # the read failed: it tells nothing about the object
-                if not still_defective(held, expect, unreadable):
-                    return False
+                if not (found.matches(head) if manifest is None else await self._still(name, found)):
+                    return False  # (a multi-part value: read through its parts)
                 pipe.multi()
                 pipe.execute_command("UNLINK", dkey)  # (a cluster pipeline's unlink() is a coroutine)
                 if manifest is not None:
@@ -942,7 +928,7 @@ class RedisBackend(Backend):
                 return True
 
         try:
-            size = len(expect) if expect is not None else self.max_object_bytes  # (incomplete: what is left)
+            size = len(found.read) if found.read is not None else self.max_object_bytes  # (incomplete: what is left)
             done = await asyncio.wait_for(compare_and_delete(), self.options.deadline(size))
         except WatchError:
             return False  # written since it was read: the new copy stays

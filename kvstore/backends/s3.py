@@ -56,12 +56,12 @@ from kvstore.backends.base import (
     BackendStats,
     BackendUnavailableError,
     Capabilities,
+    Defect,
     ObjectInfo,
     Value,
     as_parts,
     bytearray_alloc,
     redact_url,
-    same_bytes,
 )
 from kvstore.backends.breaker import CircuitBreaker
 from kvstore.backends.s3_body import PartsBody, ShortBody, read_into, slice_parts
@@ -870,24 +870,16 @@ class S3Backend(Backend):
                     self.counters.deletes += 1
         return out
 
-    async def quarantine(
-        self,
-        name: str,
-        reason: str,
-        *,
-        expect: bytes | memoryview | None = None,
-        unreadable: bool = False,
-        unchanged_since: float | None = None,  # (a stream's start: no change time to compare here)
-    ) -> bool:
-        """Delete a corrupt object; with `expect`, only while it still holds those bytes:
-        the object is read again and compared, then deleted with ``If-Match`` on the ETag
-        of that read, so a copy written in between (a repair, a rewrite) is answered 412
-        and stays.  A server that refuses conditional deletes, or deletes regardless of
-        ``If-Match`` (asked once, on a probe object), quarantines nothing.  With
-        `unreadable` (a check read nothing of a listed object): only while a read still
-        finds nothing."""
-        if expect is None:
-            return await super().quarantine(name, reason, unreadable=unreadable)
+    async def quarantine(self, name: str, reason: str, found: Defect | None = None) -> bool:
+        """Delete a corrupt object; with ``found.read``, only while it still holds those
+        bytes: the object is read again and compared, then deleted with ``If-Match`` on
+        the ETag of that read, so a copy written in between (a repair, a rewrite) is
+        answered 412 and stays.  A server that refuses conditional deletes, or deletes
+        regardless of ``If-Match`` (asked on a probe object), quarantines nothing.  With
+        ``found.absent``: only while a read still finds nothing; ``found.since`` tells
+        nothing here."""
+        if found is None or found.read is None:
+            return await super().quarantine(name, reason, found)
         honoured = await self._deletes_conditionally()
         if not honoured:
             why = (
@@ -913,7 +905,7 @@ class S3Backend(Backend):
             finally:
                 resp["Body"].close()
             etag = resp.get("ETag")
-            if not etag or not same_bytes(body, expect):
+            if not etag or not found.matches(body):
                 return False
             try:
                 await self._request(self._client.delete_object, Bucket=o.bucket, Key=key, IfMatch=etag)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvstore.backends import Backend, ObjectInfo
-from kvstore.backends.base import redact_url
+from kvstore.backends.base import Defect, redact_url
 from kvstore.frame import (
     MAGIC,
     PREFIX,
@@ -188,7 +188,7 @@ async def verify_store(
         if quarantine and proven:  # only what was read and found defective is moved aside,
             # and only while it still is: a copy written since the read (a repair, a
             # rewrite by an engine) stays in service
-            if await backend.quarantine(name, why, expect=read, unreadable=read is None):
+            if await backend.quarantine(name, why, Defect(read=read, absent=read is None)):
                 report.quarantined += 1
             else:
                 report.not_quarantined.append(name)

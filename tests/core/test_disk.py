@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.backends import open_backend
+from kvstore.backends.base import Defect
 from kvstore.backends.disk import DiskBackend
 from kvstore.keys import ChunkKey
 from kvstore.tier import Tier
@@ -99,21 +100,23 @@ async def test_quarantine_puts_back_a_file_renamed_into_place_after_its_compare(
         return verdict
 
     monkeypatch.setattr(disk, "_holds", holds_then_replaced)
-    assert await be.quarantine(name, "test", expect=bad) is False
+    assert await be.quarantine(name, "test", Defect(read=bad)) is False
     monkeypatch.undo()
     assert path.read_bytes() == good and await be.contains_many([name]) == [True]
     assert list((tmp_path / "quarantine").glob("*")) == []
     assert be.counters.quarantined == 0
-    assert await be.quarantine(name, "test", expect=bad) is False  # holds the good bytes: left
-    assert await be.quarantine(name, "test", expect=good) is True
+    assert await be.quarantine(name, "test", Defect(read=bad)) is False  # holds the good bytes: left
+    assert await be.quarantine(name, "test", Defect(read=good)) is True
     assert not path.exists() and await be.contains_many([name]) == [False]
     await be.close()
 
 
-async def test_a_read_of_a_corrupt_object_leaves_a_good_copy_written_since(tmp_path: Path) -> None:
-    """A frame read (`get_frames`) finds an object corrupt; another process stores the
-    chunk again before the quarantine: the read is a miss, and the new copy stays in
-    service; with nothing written in between, the corrupt file is quarantined."""
+@pytest.mark.parametrize("path", ["frames", "streamed"])
+async def test_a_read_of_a_corrupt_file_leaves_a_file_renamed_in_since(tmp_path: Path, path: str) -> None:
+    """A read (a frame read, or the disk tier's mapped read into a target) finds a file
+    corrupt; another process stores the chunk again before the quarantine: the read is
+    a miss, and the new file (its change time after the read began) stays in service;
+    with nothing written in between, the corrupt file is quarantined."""
     be = DiskBackend(tmp_path, fsync=False)
     tier = Tier(be)
     (name,) = names(1)
@@ -123,57 +126,24 @@ async def test_a_read_of_a_corrupt_object_leaves_a_good_copy_written_since(tmp_p
     good = bytes(raw)
     bad = bytearray(good)
     bad[-3] ^= 0x04
+    method = "get_many" if path == "frames" else "read_streamed"
     for rewrite in (True, False):
         assert await be.put_many([(name, bytes(bad))]) == [True]
         await asyncio.sleep(0.1)  # (older than the change-time margin)
-        real = be.get_many
+        real = getattr(be, method)
 
-        async def get_many(ns, alloc=None, real=real, rewrite=rewrite):  # type: ignore[no-untyped-def]
-            got = await real(ns, alloc)
+        async def then_rewrite(*args, real=real, rewrite=rewrite):  # type: ignore[no-untyped-def]
+            got = await real(*args)
             if rewrite:
                 assert await be.put_many([(name, good)]) == [True]  # lands after the read
             return got
 
-        be.get_many = get_many  # type: ignore[method-assign]
-        assert (await tier.get_frames([name])) == [None]
-        be.get_many = real  # type: ignore[method-assign]
-        if rewrite:
-            assert be.counters.quarantined == 0
-            (got,) = await tier.get_many([name])
-            assert got is not None and torch.equal(got, value)
+        setattr(be, method, then_rewrite)
+        if path == "frames":
+            assert await tier.get_frames([name]) == [None]
         else:
-            assert be.counters.quarantined == 1 and await be.contains_many([name]) == [False]
-    await tier.close()
-
-
-async def test_a_streamed_read_of_a_corrupt_file_leaves_a_file_renamed_in_since(tmp_path: Path) -> None:
-    """The disk tier's mapped read finds a file corrupt; another process stores the chunk
-    again before the quarantine: the new file (its change time after the read began)
-    stays in service; with nothing written in between, the corrupt file is quarantined."""
-    be = DiskBackend(tmp_path, fsync=False)
-    tier = Tier(be)
-    assert tier.capabilities.streamed_reads
-    (name,) = names(1)
-    value = torch.arange(4096, dtype=torch.float32)
-    await tier.put_many([(name, value)])
-    (raw,) = await be.get_many([name])
-    good = bytes(raw)
-    bad = bytearray(good)
-    bad[-3] ^= 0x04
-    for rewrite in (True, False):
-        assert await be.put_many([(name, bytes(bad))]) == [True]
-        await asyncio.sleep(0.1)  # (older than the change-time margin)
-        real = be.read_streamed
-
-        async def read_streamed(ns, open_sink, real=real, rewrite=rewrite):  # type: ignore[no-untyped-def]
-            got = await real(ns, open_sink)
-            if rewrite:
-                assert await be.put_many([(name, good)]) == [True]  # lands after the read
-            return got
-
-        be.read_streamed = read_streamed  # type: ignore[method-assign]
-        assert (await tier.get_many([name], out=[torch.empty_like(value)])) == [None]  # into a target: streamed
-        be.read_streamed = real  # type: ignore[method-assign]
+            assert await tier.get_many([name], out=[torch.empty_like(value)]) == [None]
+        setattr(be, method, real)
         if rewrite:
             assert be.counters.quarantined == 0
             (got,) = await tier.get_many([name])

@@ -21,6 +21,26 @@ from tests.support.stores import FakeClock, GatedMemoryBackend, HeldMemoryBacken
 N = 64  # float32 elements per chunk
 
 
+class FailingMemoryBackend(MemoryBackend):
+    """A memory backend whose reads fail as a backend answers a failed read (a counted
+    error, the object absent): for the names in `failing`, or for every name while
+    `away`."""
+
+    failing: frozenset[str] = frozenset()
+    away = False
+
+    async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
+        if self.away:
+            self.counters.get_errors += len(names)
+            return [None] * len(names)
+        got = await super().get_many(names, alloc)
+        for k, n in enumerate(names):
+            if n in self.failing:
+                self.counters.get_errors += 1
+                got[k] = None
+        return got
+
+
 def name(i: int, ns: str = "t") -> str:
     return f"{ns}/m/raw-1-0/{i:06d}"
 
@@ -779,23 +799,13 @@ async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few(monk
 
     monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
 
-    class FailsOne(MemoryBackend):
-        bad = ""
 
-        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
-            got = await super().get_many(names, alloc)
-            for k, n in enumerate(names):
-                if n == self.bad:  # as a backend answers a read that failed
-                    self.counters.get_errors += 1
-                    got[k] = None
-            return got
-
-    backend = FailsOne("mem://")
+    backend = FailingMemoryBackend("mem://")
     store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
     gone: list[str] = []
     store.on_gone = gone.extend
     await store.put_many([(name(i), chunk(i)) for i in (1, 2, 3)])
-    backend.bad = name(1)
+    backend.failing = frozenset({name(1)})
     for _ in range(UNANSWERED_LIMIT - 1):
         got = await store.get_many([name(1), name(2)])
         assert got[0] is None and torch.equal(got[1], chunk(2))
@@ -816,23 +826,13 @@ async def test_a_name_whose_lone_reads_keep_failing_leaves_the_books(monkeypatch
 
     monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
 
-    class FailsOne(MemoryBackend):
-        bad = ""
 
-        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
-            got = await super().get_many(names, alloc)
-            for k, n in enumerate(names):
-                if n == self.bad:
-                    self.counters.get_errors += 1
-                    got[k] = None
-            return got
-
-    backend = FailsOne("mem://")
+    backend = FailingMemoryBackend("mem://")
     store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
     gone: list[str] = []
     store.on_gone = gone.extend
     await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
-    backend.bad = name(1)
+    backend.failing = frozenset({name(1)})
     for _ in range(UNANSWERED_LIMIT + 1):  # the first failure has no answered read before it
         assert gone == [] and name(1) in store.placement.tiers[0].resident
         assert await store.get_many([name(1)]) == [None]
@@ -840,7 +840,7 @@ async def test_a_name_whose_lone_reads_keep_failing_leaves_the_books(monkeypatch
         assert torch.equal(got[0], chunk(2))
     assert name(1) not in store.placement.tiers[0].resident and gone == [name(1)]
     assert store.metrics.errors.labels("get unreadable", "tier0")._value.get() == 1
-    backend.bad = ""
+    backend.failing = frozenset()
     puts = backend.counters.puts
     await store.put_many([(name(1), chunk(1))])
     assert backend.counters.puts > puts
@@ -855,34 +855,24 @@ async def test_a_name_failing_for_less_than_the_minimum_time_stays(monkeypatch) 
     from kvstore.tiered import reads
     from kvstore.tiered.reads import UNANSWERED_LIMIT
 
-    class ShardAway(MemoryBackend):
-        away: frozenset[str] = frozenset()
-
-        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
-            got = await super().get_many(names, alloc)
-            for k, n in enumerate(names):
-                if n in self.away:
-                    self.counters.get_errors += 1
-                    got[k] = None
-            return got
 
     clock = [1000.0]
     monkeypatch.setattr(reads, "clock", lambda: clock[0])
-    backend = ShardAway("mem://")
+    backend = FailingMemoryBackend("mem://")
     store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
     gone: list[str] = []
     store.on_gone = gone.extend
     await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
-    backend.away = frozenset({name(1)})
+    backend.failing = frozenset({name(1)})
     for _ in range(3 * UNANSWERED_LIMIT):
         clock[0] += 1.0
         assert await store.get_many([name(1)]) == [None]
         assert torch.equal((await store.get_many([name(2)]))[0], chunk(2))
         assert await store.get_many([name(1), name(2)]) != [None, None]
     assert gone == [] and name(1) in store.placement.tiers[0].resident
-    backend.away = frozenset()
+    backend.failing = frozenset()
     assert torch.equal((await store.get_many([name(1)]))[0], chunk(1))
-    backend.away = frozenset({name(1)})  # and failing for longer than the minimum: gone
+    backend.failing = frozenset({name(1)})  # and failing for longer than the minimum: gone
     for _ in range(UNANSWERED_LIMIT + 1):
         clock[0] += reads.UNANSWERED_MIN_S
         await store.get_many([name(1)])
@@ -897,26 +887,16 @@ async def test_failures_long_apart_start_a_new_count(monkeypatch) -> None:  # ty
     from kvstore.tiered import reads
     from kvstore.tiered.reads import UNANSWERED_LIMIT
 
-    class FailsOne(MemoryBackend):
-        bad = ""
-
-        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
-            got = await super().get_many(names, alloc)
-            for k, n in enumerate(names):
-                if n == self.bad:
-                    self.counters.get_errors += 1
-                    got[k] = None
-            return got
 
     clock = [1000.0]
     monkeypatch.setattr(reads, "clock", lambda: clock[0])
     monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
-    backend = FailsOne("mem://")
+    backend = FailingMemoryBackend("mem://")
     store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
     gone: list[str] = []
     store.on_gone = gone.extend
     await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
-    backend.bad = name(1)
+    backend.failing = frozenset({name(1)})
     for _ in range(3 * UNANSWERED_LIMIT):  # each failure long after the one before
         clock[0] += reads.UNANSWERED_FORGET_S + 1
         assert await store.get_many([name(1), name(2)]) != [None, None]
@@ -933,16 +913,8 @@ async def test_lone_reads_while_the_tier_is_away_keep_the_name() -> None:
     not count, however many; one answered read between two failures counts one."""
     from kvstore.tiered.reads import UNANSWERED_LIMIT
 
-    class Away(MemoryBackend):
-        away = False
 
-        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
-            if self.away:
-                self.counters.get_errors += len(names)
-                return [None] * len(names)
-            return await super().get_many(names, alloc)
-
-    backend = Away("mem://")
+    backend = FailingMemoryBackend("mem://")
     store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
     gone: list[str] = []
     store.on_gone = gone.extend
@@ -963,16 +935,8 @@ async def test_a_tier_failing_every_read_keeps_its_names_however_long() -> None:
     """Away (restarting, unreachable) as far as every read can tell: no name is taken for
     gone, however many reads fail; once it answers, every one is served from it."""
 
-    class Away(MemoryBackend):
-        away = False
 
-        async def get_many(self, names, alloc=None):  # type: ignore[no-untyped-def]
-            if self.away:
-                self.counters.get_errors += len(names)
-                return [None] * len(names)
-            return await super().get_many(names, alloc)
-
-    backend = Away("mem://")
+    backend = FailingMemoryBackend("mem://")
     store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
     gone: list[str] = []
     store.on_gone = gone.extend

@@ -12,6 +12,7 @@ import redis
 
 from kvstore.backends import open_backend
 from kvstore.backends import redis_layout as layout
+from kvstore.backends.base import Defect
 from kvstore.testing.redis_server import RedisServer, redis_available
 from tests.redis.conftest import FAST
 from tests.support.required import REDIS_INSTALL, needs
@@ -441,10 +442,10 @@ async def test_quarantine_deletes_only_the_copy_it_compared(redis_server, monkey
             return pipe
 
         monkeypatch.setattr(b.client, "pipeline", pipeline)
-    assert await b.quarantine(name, "test", expect=bad) is False
+    assert await b.quarantine(name, "test", Defect(read=bad)) is False
     monkeypatch.undo()
     (got,) = await b.get_many([name])
     assert got is not None and bytes(got) == good
-    assert await b.quarantine(name, "test", expect=good) is True
+    assert await b.quarantine(name, "test", Defect(read=good)) is True
     assert await b.contains_many([name]) == [False]
     await b.close()

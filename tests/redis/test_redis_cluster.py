@@ -8,6 +8,7 @@ import pytest
 import redis
 
 from kvstore.backends import open_backend
+from kvstore.backends.base import Defect
 from kvstore.backends.redis_layout import data_key, parts_key
 from kvstore.testing.redis_server import redis_available
 from tests.support.required import REDIS_INSTALL, needs
@@ -83,10 +84,10 @@ async def test_cluster_quarantine_deletes_what_it_compared_and_keeps_a_rewrite(r
     name = f"ns/m/vllm-1-0/q{size}"
     bad, good = os.urandom(size), os.urandom(size)
     assert await b.put_many([(name, bad)]) == [True]
-    assert await b.quarantine(name, "test", expect=good) is False  # not what it holds
+    assert await b.quarantine(name, "test", Defect(read=good)) is False  # not what it holds
     got = await b.get(name)
     assert got is not None and bytes(got) == bad
-    assert await b.quarantine(name, "test", expect=bad) is True
+    assert await b.quarantine(name, "test", Defect(read=bad)) is True
     assert await b.contains_many([name]) == [False]
     assert await b.client.exists(data_key("kv:", name), parts_key("kv:", name)) == 0  # (one slot: {name})
     assert b.counters.quarantined == 1

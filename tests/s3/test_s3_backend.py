@@ -9,6 +9,7 @@ import aiobotocore.session
 import pytest
 
 from kvstore.backends import open_backend
+from kvstore.backends.base import Defect
 from kvstore.backends.s3 import S3Backend, S3OpenError
 from kvstore.throughput import baseline_for
 
@@ -201,11 +202,11 @@ async def test_quarantine_deletes_only_the_copy_it_compared(s3_url) -> None:  # 
         return await real(**kw)
 
     client.delete_object = delete_after_a_rewrite
-    assert await b.quarantine(name, "test", expect=bad) is False
+    assert await b.quarantine(name, "test", Defect(read=bad)) is False
     client.delete_object = real
     (got,) = await b.get_many([name])
     assert got is not None and bytes(got) == good
-    assert await b.quarantine(name, "test", expect=bytes(got)) is True
+    assert await b.quarantine(name, "test", Defect(read=bytes(got))) is True
     assert await b.contains_many([name]) == [False]
     await b.close()
 
@@ -225,7 +226,7 @@ async def test_quarantine_refuses_where_deletes_ignore_if_match(s3_url) -> None:
         return await real(**kw)
 
     client.delete_object = unconditional
-    assert await b.quarantine(name, "test", expect=bad) is False
+    assert await b.quarantine(name, "test", Defect(read=bad)) is False
     assert await b.contains_many([name]) == [True]
     assert [i.name async for i in b.list("")] == [name]  # the probe object went too
     client.delete_object = real
