@@ -49,6 +49,18 @@ def chunk(i: int) -> torch.Tensor:
     return torch.arange(N, dtype=torch.float32) + i
 
 
+async def failing_store(*chunks: int) -> tuple[FailingMemoryBackend, TieredStore, list[str]]:
+    """One tier over a `FailingMemoryBackend` holding chunks `chunks`; the names it
+    announces gone are collected in the list returned."""
+    backend = FailingMemoryBackend("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    gone: list[str] = []
+    store.on_gone = gone.extend
+    await store.put_many([(name(i), chunk(i)) for i in chunks])
+    return backend, store, gone
+
+
+
 async def frame_size() -> int:
     store = TieredStore.from_urls(["mem://"])
     await store.put_many([(name(0), chunk(0))])
@@ -799,12 +811,7 @@ async def test_a_name_whose_reads_keep_failing_leaves_the_books_after_a_few(monk
 
     monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
 
-
-    backend = FailingMemoryBackend("mem://")
-    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
-    gone: list[str] = []
-    store.on_gone = gone.extend
-    await store.put_many([(name(i), chunk(i)) for i in (1, 2, 3)])
+    backend, store, gone = await failing_store(1, 2, 3)
     backend.failing = frozenset({name(1)})
     for _ in range(UNANSWERED_LIMIT - 1):
         got = await store.get_many([name(1), name(2)])
@@ -826,12 +833,7 @@ async def test_a_name_whose_lone_reads_keep_failing_leaves_the_books(monkeypatch
 
     monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
 
-
-    backend = FailingMemoryBackend("mem://")
-    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
-    gone: list[str] = []
-    store.on_gone = gone.extend
-    await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
+    backend, store, gone = await failing_store(1, 2)
     backend.failing = frozenset({name(1)})
     for _ in range(UNANSWERED_LIMIT + 1):  # the first failure has no answered read before it
         assert gone == [] and name(1) in store.placement.tiers[0].resident
@@ -855,14 +857,9 @@ async def test_a_name_failing_for_less_than_the_minimum_time_stays(monkeypatch) 
     from kvstore.tiered import reads
     from kvstore.tiered.reads import UNANSWERED_LIMIT
 
-
     clock = [1000.0]
     monkeypatch.setattr(reads, "clock", lambda: clock[0])
-    backend = FailingMemoryBackend("mem://")
-    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
-    gone: list[str] = []
-    store.on_gone = gone.extend
-    await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
+    backend, store, gone = await failing_store(1, 2)
     backend.failing = frozenset({name(1)})
     for _ in range(3 * UNANSWERED_LIMIT):
         clock[0] += 1.0
@@ -887,15 +884,10 @@ async def test_failures_long_apart_start_a_new_count(monkeypatch) -> None:  # ty
     from kvstore.tiered import reads
     from kvstore.tiered.reads import UNANSWERED_LIMIT
 
-
     clock = [1000.0]
     monkeypatch.setattr(reads, "clock", lambda: clock[0])
     monkeypatch.setattr(reads, "UNANSWERED_MIN_S", 0.0)
-    backend = FailingMemoryBackend("mem://")
-    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
-    gone: list[str] = []
-    store.on_gone = gone.extend
-    await store.put_many([(name(i), chunk(i)) for i in (1, 2)])
+    backend, store, gone = await failing_store(1, 2)
     backend.failing = frozenset({name(1)})
     for _ in range(3 * UNANSWERED_LIMIT):  # each failure long after the one before
         clock[0] += reads.UNANSWERED_FORGET_S + 1
@@ -913,12 +905,7 @@ async def test_lone_reads_while_the_tier_is_away_keep_the_name() -> None:
     not count, however many; one answered read between two failures counts one."""
     from kvstore.tiered.reads import UNANSWERED_LIMIT
 
-
-    backend = FailingMemoryBackend("mem://")
-    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
-    gone: list[str] = []
-    store.on_gone = gone.extend
-    await store.put_many([(name(1), chunk(1)), (name(2), chunk(2))])
+    backend, store, gone = await failing_store(1, 2)
     await store.get_many([name(2)])
     for _outage in range(UNANSWERED_LIMIT - 1):
         backend.away = True
@@ -935,12 +922,7 @@ async def test_a_tier_failing_every_read_keeps_its_names_however_long() -> None:
     """Away (restarting, unreachable) as far as every read can tell: no name is taken for
     gone, however many reads fail; once it answers, every one is served from it."""
 
-
-    backend = FailingMemoryBackend("mem://")
-    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
-    gone: list[str] = []
-    store.on_gone = gone.extend
-    await store.put_many([(name(1), chunk(1)), (name(2), chunk(2))])
+    backend, store, gone = await failing_store(1, 2)
     backend.away = True
     for _ in range(5):
         assert await store.get_many([name(1), name(2)]) == [None, None]
