@@ -193,15 +193,18 @@ class Tier:
     # -- frames --------------------------------------------------------------------------
     async def get_frames(self, names: Sequence[str], alloc: Alloc | None = None) -> list[Frame | None]:
         """Verified frames (payload views into the read buffers); defects become None."""
-        frames = await self._frames(names, alloc)
+        _, frames = await self._frames(names, alloc)
         self.counters.hits += sum(f is not None for f in frames)
         return frames
 
-    async def _frames(self, names: Sequence[str], alloc: Alloc | None) -> list[Frame | None]:
-        """`get_frames` without counting hits (the caller decodes, then counts)."""
+    async def _frames(
+        self, names: Sequence[str], alloc: Alloc | None
+    ) -> tuple[list[memoryview | None], list[Frame | None]]:
+        """The objects read and their verified frames (None: a miss, or quarantined),
+        without counting hits (the caller decodes, then counts)."""
         started = time.time()
         raws = await self.backend.get_many(names, alloc)
-        return list(await asyncio.gather(*(self._verify(n, raw, started) for n, raw in zip(names, raws))))
+        return raws, list(await asyncio.gather(*(self._verify(n, raw, started) for n, raw in zip(names, raws))))
 
     async def _verify(self, name: str, raw: memoryview | None, started: float) -> Frame | None:
         if raw is None:
@@ -210,7 +213,7 @@ class Tier:
         try:
             return await check_frame(raw, name)
         except FrameError as exc:
-            await self.quarantine(name, exc, since=started)
+            await self.quarantine(name, exc, Defect(read=raw, since=started))
             return None
 
     def decoder(self, codec: str) -> codecs.Codec:
@@ -224,12 +227,12 @@ class Tier:
         """`frame` of object `name` (read from this tier) as a frame of codec `target`."""
         return transcode(frame, name, target, self.decoder(frame.header.codec))
 
-    async def quarantine(self, name: str, exc: Exception, *, since: float | None = None) -> None:
+    async def quarantine(self, name: str, exc: Exception, found: Defect | None = None) -> None:
         """Take defective object `name` out of service: counted (a corrupt miss), logged,
-        and handed to the backend's quarantine; never raises.  With `since` (when the
-        read that found it defective began), backends that can tell (disk)
-        take it only if it has not changed since, so a good copy another process stored
-        in between stays in service."""
+        and handed to the backend's quarantine; never raises.  With `found` (what the
+        read found: its bytes, or the check they failed and when the read began), the
+        backend takes the object only while it still is that, so a good copy another
+        process stored in between stays in service."""
         self.counters.corrupt += 1
         self.counters.misses += 1
         log.warning(
@@ -239,7 +242,6 @@ class Tier:
             exc,
         )
         try:
-            found = Defect(since=since) if since is not None else None
             await self.backend.quarantine(name, f"{type(exc).__name__}: {exc}", found)
         except Exception:  # a failing quarantine must not turn a miss into a crash
             log.exception("kvstore: could not quarantine %s", printable_name(name))
@@ -257,8 +259,8 @@ class Tier:
         a store makes (`read_into`: streamed where the backend can)."""
         if alloc is None and out is not None and all(o is not None for o in out):
             return [r.tensor for r in await self.read_into(names, out, BufferPool(max_bytes=0))]
-        frames = await self._frames(names, alloc)
-        return [r.tensor for r in await self._decode(names, frames, out)]
+        raws, frames = await self._frames(names, alloc)
+        return [r.tensor for r in await self._decode(names, frames, out, raws)]
 
     async def read_into(
         self, names: Sequence[str], outs: Sequence[Out] | None, pool: BufferPool
@@ -293,21 +295,26 @@ class Tier:
         try:
             reading = asyncio.ensure_future(self._frames(names, alloc if pooled else None))
             try:
-                frames = await asyncio.shield(reading)
+                raws, frames = await asyncio.shield(reading)
             except asyncio.CancelledError:
                 await asyncio.wait({reading})  # pooled buffers go back only once nothing writes them
                 raise
-            res = await self._decode(names, frames, outs)
-            del frames  # payload views end here: decoded into the caller's tensors
+            res = await self._decode(names, frames, outs, raws)
+            del frames, raws  # payload views end here: decoded into the caller's tensors
         finally:
             for buf in taken:
                 pool.give(buf)
         return res
 
     async def _decode(
-        self, names: Sequence[str], frames: Sequence[Frame | None], outs: Sequence[Out] | None
+        self,
+        names: Sequence[str],
+        frames: Sequence[Frame | None],
+        outs: Sequence[Out] | None,
+        raws: Sequence[memoryview | None],
     ) -> list[ReadResult]:
-        """Decode verified frames into their targets, counting each outcome once."""
+        """Decode verified frames (read as `raws`) into their targets, counting each
+        outcome once."""
         c = self.counters
         res: list[ReadResult] = []
         for k, (name, frame) in enumerate(zip(names, frames)):
@@ -336,11 +343,11 @@ class Tier:
                 )
                 res.append(ReadResult(None, DECLINED, size))
             except FrameError as exc:
-                await self.quarantine(name, exc)
+                await self.quarantine(name, exc, Defect(read=raws[k]))
                 res.append(ReadResult(None, GONE, 0))
             except Exception as exc:
                 if target is None and isinstance(exc, ValueError):  # no caller buffer: the frame is bad
-                    await self.quarantine(name, exc)
+                    await self.quarantine(name, exc, Defect(read=raws[k]))
                     res.append(ReadResult(None, GONE, 0))
                     continue
                 # the caller's buffer did not fit: a miss, not a defect

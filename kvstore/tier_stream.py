@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Union
 
+from kvstore.backends.base import Defect
 from kvstore.backends.stream import wait_out
 from kvstore.buffers import BufferPool
-from kvstore.frame import FrameHeader
+from kvstore.frame import FrameHeader, refused_as
 from kvstore.keys import printable_name
 from kvstore.shared_jobs import run_shared
 
@@ -146,7 +147,7 @@ async def read_streamed(
             rest.append(k)
             res.append(ReadResult(None, GONE, 0))
         elif sink.error is not None:
-            await tier.quarantine(name, sink.error, since=started)
+            await tier.quarantine(name, sink.error, Defect(since=started, fails=refused_as(name)))
             res.append(ReadResult(None, GONE, 0))
         elif header is None:  # no error, yet no header: cannot happen; a miss
             c.misses += 1

@@ -274,7 +274,7 @@ class Backend(abc.ABC):
         the delete goes too); backends with a conditional delete or a side area
         override this.
         """
-        if found is not None and (found.read is not None or found.absent) and not await self._still(name, found):
+        if found is not None and found.conditional and not await self._still(name, found):
             return False
         await self.delete_many([name])
         self.counters.quarantined += 1
@@ -368,13 +368,22 @@ class Defect:
 
     ``read``: the bytes read (taken only while the object holds exactly these);
     ``absent``: the object was listed but read as absent (taken only while it still
-    reads so); ``since``: when the read began (backends that can tell when an object
-    last changed, as disk can, take it only if it has not changed since).
+    reads so); ``fails``: the check the object failed, where its bytes were not kept
+    (a read streamed into the caller's buffer): taken only while the object read back
+    still fails it; ``since``: when the read began (backends that can tell when an
+    object last changed, as disk can, take it only if it has not changed since, and
+    need neither of the two before).
     """
 
     read: bytes | memoryview | None = None
     absent: bool = False
     since: float | None = None
+    fails: Callable[[memoryview], bool] | None = None
+
+    @property
+    def conditional(self) -> bool:
+        """Whether reading the object back can tell if it still is what was found."""
+        return self.read is not None or self.absent or self.fails is not None
 
     def matches(self, now: bytes | memoryview | None) -> bool:
         """Whether an object read back as `now` is still what was found."""
@@ -382,4 +391,6 @@ class Defect:
             return now is None
         if self.read is not None:
             return now is not None and same_bytes(now, self.read)
+        if self.fails is not None:
+            return now is not None and self.fails(memoryview(now))
         return True

@@ -898,7 +898,8 @@ class RedisBackend(Backend):
 
     async def quarantine(self, name: str, reason: str, found: Defect | None = None) -> bool:
         """Delete a corrupt object; with ``found.read``, only while it still holds those
-        bytes, with ``found.absent``, only while it still reads as absent (a part lost);
+        bytes, with ``found.fails``, only while it still fails that check, with
+        ``found.absent``, only while it still reads as absent (a part lost);
         ``found.since`` tells nothing here (no change time to compare).
 
         The check and the delete are one optimistic transaction: the object's key is
@@ -906,7 +907,7 @@ class RedisBackend(Backend):
         then UNLINKed with its generation's parts in MULTI/EXEC, which Redis refuses if
         any write reached the key in between (a repair, a rewrite: that copy stays).
         """
-        if found is None or (found.read is None and not found.absent):
+        if found is None or not found.conditional:
             return await super().quarantine(name, reason)
         pfx = self.options.prefix
         dkey, hkey = layout.data_key(pfx, name), layout.parts_key(pfx, name)

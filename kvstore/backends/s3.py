@@ -872,13 +872,14 @@ class S3Backend(Backend):
 
     async def quarantine(self, name: str, reason: str, found: Defect | None = None) -> bool:
         """Delete a corrupt object; with ``found.read``, only while it still holds those
-        bytes: the object is read again and compared, then deleted with ``If-Match`` on
-        the ETag of that read, so a copy written in between (a repair, a rewrite) is
-        answered 412 and stays.  A server that refuses conditional deletes, or deletes
+        bytes (with ``found.fails``, only while it still fails that check): the object
+        is read again and compared, then deleted with ``If-Match`` on the ETag of that
+        read, so a copy written in between (a repair, a rewrite) is answered 412 and
+        stays.  A server that refuses conditional deletes, or deletes
         regardless of ``If-Match`` (asked on a probe object), quarantines nothing.  With
         ``found.absent``: only while a read still finds nothing; ``found.since`` tells
         nothing here."""
-        if found is None or found.read is None:
+        if found is None or (found.read is None and found.fails is None):
             return await super().quarantine(name, reason, found)
         honoured = await self._deletes_conditionally()
         if not honoured:
@@ -905,7 +906,7 @@ class S3Backend(Backend):
             finally:
                 resp["Body"].close()
             etag = resp.get("ETag")
-            if not etag or not found.matches(body):
+            if not etag or not await asyncio.to_thread(found.matches, body):  # (may checksum it all)
                 return False
             try:
                 await self._request(self._client.delete_object, Bucket=o.bucket, Key=key, IfMatch=etag)

@@ -41,6 +41,47 @@ async def test_corrupted_value_is_quarantined_as_a_miss(redis_server):
         assert r.exists(data_key("kv:", name)) == 0  # quarantine removed it
 
 
+def _corrupt(r: redis.Redis, name: str) -> None:
+    raw = bytearray(r.get(data_key("kv:", name)))
+    raw[-1] ^= 0xFF  # flip a payload byte
+    r.set(data_key("kv:", name), bytes(raw))
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("rewritten", [False, True], ids=["corrupt", "rewritten-after-the-read"])
+async def test_a_corrupt_read_quarantines_only_the_copy_it_read(redis_server, streamed, rewritten):
+    """An engine read that finds a value corrupt takes it out of service, read whole or
+    streamed into the caller's tensor; a good copy another process wrote after that read
+    (a rewrite, a repair) stays and serves the next read."""
+    backend = RedisBackend.from_url(f"{redis_server.url}?{FAST}")
+    async with Tier(backend) as tier:
+        name = ChunkKey("m", 1, 0, 8).object_name()
+        t = torch.arange(4096, dtype=torch.float32)
+        assert await tier.put_many([(name, t)]) == [True]
+        r = redis.Redis(host=redis_server.host, port=redis_server.port)
+        good = r.get(data_key("kv:", name))
+        _corrupt(r, name)
+        method = "read_streamed" if streamed else "get_many"
+        read = getattr(backend, method)
+
+        async def read_then_another_process_rewrites(*args, **kw):  # type: ignore[no-untyped-def]
+            got = await read(*args, **kw)
+            if rewritten:
+                r.set(data_key("kv:", name), good)
+            return got
+
+        setattr(backend, method, read_then_another_process_rewrites)
+        out = [torch.zeros_like(t)] if streamed else None
+        assert await tier.get_many([name], out=out) == [None]
+        assert tier.counters.corrupt == 1
+        setattr(backend, method, read)
+        assert r.exists(data_key("kv:", name)) == int(rewritten)
+        assert backend.counters.quarantined == int(not rewritten)
+        if rewritten:
+            (got,) = await tier.get_many([name], out=[torch.zeros_like(t)] if streamed else None)
+            assert got is not None and torch.equal(got, t)
+
+
 async def test_ttl_by_namespace_from_configuration(redis_server):
     b = RedisBackend.from_url(f"{redis_server.url}?ttl.b=30&{FAST}", ttl_by_namespace={"a": 10, "b": 99})
     assert await b.put_many([("a/m/f-1-0/x", b"1"), ("b/m/f-1-0/x", b"2"), ("c/m/f-1-0/x", b"3")])

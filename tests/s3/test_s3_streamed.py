@@ -136,6 +136,40 @@ async def test_a_flipped_bit_is_a_quarantined_miss_in_the_first_part_or_a_range(
     await st.close()
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+async def test_a_corrupt_read_leaves_a_copy_written_after_it(env, streamed):
+    """A read that finds an object corrupt quarantines only the copy it read: a good one
+    another process put after that read (a rewrite, a repair) stays and serves the next
+    read, whether the corrupt one was read whole or streamed into the caller's tensor."""
+    st = store(env.endpoint, f"rewrite-{streamed}")
+    b = backend_of(st)
+    name = "ns/m/f-1-0/6"
+    t = ints(256, 1024, seed=7)
+    await st.put_many([(name, t)])
+    key = b.options.key(name)
+    good = await _raw_get(env, key)
+    raw = bytearray(good)
+    raw[-1000] ^= 0x10
+    await _raw_put(env, key, bytes(raw))
+    method = "read_streamed" if streamed else "get_many"
+    read = getattr(b, method)
+
+    async def read_then_another_process_rewrites(*args, **kw):  # type: ignore[no-untyped-def]
+        got = await read(*args, **kw)
+        await _raw_put(env, key, good)
+        return got
+
+    setattr(b, method, read_then_another_process_rewrites)
+    tier = st.tiers[0]
+    out = [torch.zeros_like(t)] if streamed else None
+    assert await tier.get_many([name], out=out) == [None]
+    setattr(b, method, read)
+    assert tier.counters.corrupt == 1 and b.counters.quarantined == 0
+    (got,) = await tier.get_many([name], out=[torch.zeros_like(t)] if streamed else None)
+    assert got is not None and torch.equal(got, t)
+    await st.close()
+
+
 async def test_a_frame_stored_under_another_name_is_refused(env):
     st = store(env.endpoint, "misplaced")
     b = backend_of(st)
