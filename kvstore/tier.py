@@ -255,7 +255,8 @@ class Tier:
     ) -> list[torch.Tensor | None]:
         """Tensors for `names` (None = miss, or declined).  With `out`, each hit is
         written there (see `Out`).  Without `out` or `alloc`, raw tensors share the read
-        buffer (no copy).  With a target for every name and no `alloc`, this is the read
+        buffer (no copy), except from a tier in memory (a copy: the read buffer is the
+        stored object).  With a target for every name and no `alloc`, this is the read
         a store makes (`read_into`: streamed where the backend can)."""
         if alloc is None and out is not None and all(o is not None for o in out):
             return [r.tensor for r in await self.read_into(names, out, BufferPool(max_bytes=0))]
@@ -332,6 +333,8 @@ class Tier:
                         res.append(ReadResult(None, DECLINED, size))
                         continue
                 tensor = self.decoder(frame.header.codec).decode_payload(frame.payload, frame.header, target)
+                if target is None and self.capabilities.in_memory and frame.header.codec == "raw":
+                    tensor = tensor.clone()  # else a view of the stored object, which the caller may write to
             except CodecUnavailableError as exc:  # fine where it is: another process can read it
                 c.misses += 1
                 c.undecodable += 1

@@ -54,6 +54,24 @@ async def test_tier_tensor_round_trip_and_out(url: str, tmp_path) -> None:  # ty
     assert frames[0].header.layout == "KV_2LTD" and frames[0].header.key == "ns/t"
 
 
+@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+async def test_a_tensor_read_from_memory_without_out_is_the_callers_to_change() -> None:
+    """A read without `out` from a tier in memory hands back a tensor the caller may
+    write to: the stored object stays as it was stored."""
+    from kvstore.tiered import TieredStore
+
+    st = TieredStore.from_urls(["mem://"])
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    assert await st.put_many([("a/m/f-1-0/x", t)]) == [True]
+    (got,) = await st.get_many(["a/m/f-1-0/x"])
+    assert got is not None and torch.equal(got, t)
+    got.mul_(3)
+    (again,) = await st.get_many(["a/m/f-1-0/x"])
+    assert again is not None and torch.equal(again, t)
+    assert st.tiers[0].counters.corrupt == 0
+    await st.close()
+
+
 async def test_tier_refuses_a_frame_stored_under_another_name() -> None:
     tier = Tier.open("mem://")
     await tier.put_many([("ns/a", torch.ones(3))])
