@@ -209,6 +209,18 @@ class StoreConfig:
         # a tier that misses it fails fast until it answers again, the others go on
         return TieredStore(specs, discover=True, tier_timeout=self.timeout_s / 2)
 
+    def store_deadline_s(self) -> float:
+        """The longest one store call may take, end to end: twice the tiers' write deadline
+        (`kvstore.tiered.guard.write_deadline`), which leaves room for framing, waiting
+        for room and a write into each tier, so a tier too slow to write is timed out by
+        its own deadline (its breaker opens: later stores do not wait on it) before the
+        caller gives up on the call."""
+        from kvstore.tiered.guard import write_deadline
+
+        inner = write_deadline(self.timeout_s / 2)
+        assert inner is not None
+        return 2 * inner
+
     def write_mode(self, i: int) -> WriteMode:
         """Tier `i`'s write mode: its URL's ``write=``, else "through" below the first tier
         (a chunk reaches the shared, persistent tiers when it is stored)."""

@@ -332,7 +332,11 @@ class Tier:
                         c.declined += 1
                         res.append(ReadResult(None, DECLINED, size))
                         continue
-                tensor = self.decoder(frame.header.codec).decode_payload(frame.payload, frame.header, target)
+                decoder = self.decoder(frame.header.codec)
+                if frame.header.codec != "raw":  # (CacheGen: a worker thread, the loop serves on)
+                    tensor = await asyncio.to_thread(decoder.decode_payload, frame.payload, frame.header, target)
+                else:
+                    tensor = decoder.decode_payload(frame.payload, frame.header, target)
                 if target is None and self.capabilities.in_memory and frame.header.codec == "raw":
                     tensor = tensor.clone()  # else a view of the stored object, which the caller may write to
             except CodecUnavailableError as exc:  # fine where it is: another process can read it

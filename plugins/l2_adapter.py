@@ -255,7 +255,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     async def _finish_store(self, tid: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
         # writes may move tens of MiB per chunk: a longer deadline than reads
-        deadline = max(30.0, 6 * self.config.store.timeout_s)
+        deadline = self.config.store.store_deadline_s()
         written = await self._bounded(self._store(keys, objects), deadline, f"store of {len(keys)} chunk(s)")
         if written is None:
             self.counters.stores_failed += len(keys)

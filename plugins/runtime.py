@@ -350,7 +350,7 @@ class StoreRuntime:
 
     async def _guarded_put(self, make_coro, chosen: list[int]) -> list[bool]:
         try:
-            return await asyncio.wait_for(make_coro(chosen), timeout=max(30.0, 6 * self.cfg.timeout_s))
+            return await asyncio.wait_for(make_coro(chosen), timeout=self.cfg.store_deadline_s())
         except Exception as exc:
             log.warning("kvstore: write of %d chunk(s) failed: %s", len(chosen), exc)
             return [False] * len(chosen)
@@ -399,7 +399,7 @@ class StoreRuntime:
             self._close_done.set()
 
     def _close(self) -> None:
-        write_wait_s = max(30.0, 6 * self.cfg.timeout_s)
+        write_wait_s = self.cfg.store_deadline_s()
         try:  # the writes (this process's puts included) finish, the rest is cancelled
             self._submit_own(self._settle(write_wait_s)).result(timeout=write_wait_s + STOP_GRACE_S + 5)
         except Exception as exc:

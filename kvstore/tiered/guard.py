@@ -22,6 +22,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def write_deadline(timeout: float | None) -> float | None:
+    """A write's deadline on a tier whose calls answer within `timeout` (writes move
+    whole chunks: longer)."""
+    return None if timeout is None else max(30.0, 6 * timeout)
+
+
 class TierGuard:
     """A deadline (`timeout` seconds; None: unbounded) and a breaker per tier."""
 
@@ -57,9 +63,7 @@ class TierGuard:
             coro.close()
             self.metrics.errors.labels(op=f"{what} refused", tier=self.labels[j]).inc()
             return default
-        timeout = self.timeout
-        if timeout is not None and write:
-            timeout = max(30.0, 6 * timeout)
+        timeout = write_deadline(self.timeout) if write else self.timeout
         try:
             result = await within(coro, timeout)
         except asyncio.TimeoutError:

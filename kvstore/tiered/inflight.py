@@ -15,7 +15,9 @@ succeeded, as vLLM's ``kv_offload`` manager does with ``prepare_store`` /
   (`source`); copies of one name run one at a time, in order, after the foreground
   write of that name has landed (`turn`);
 * while a copy of a name is under way (`copying`) its drops wait and discovery leaves
-  it alone; completing the name's last copy tells the caller to clean up.
+  it alone; completing the name's last copy tells the caller to clean up;
+* a name written anew makes the copies of it decided before `stale` (they carry the
+  object before) and is read where the books place it.
 
 Must not touch: tiers, the engine, metrics (this only records what is under way).
 """
@@ -42,6 +44,7 @@ class Ticket:
     pending: Counter[str] = field(default_factory=Counter)  # write: writes not yet over, per name
     landed: asyncio.Event | None = None  # write: set when the batch's writes are over
     copy: Copy | None = None  # copy: the move being carried out
+    generation: int = 0  # copy: its name's `InFlight.replaced` count when it was decided
     open: bool = True
 
 
@@ -58,6 +61,7 @@ class InFlight:
         self._landing: dict[tuple[str, int], int] = {}  # (name, tier) -> tier its bytes are still in
         self._landed: dict[str, asyncio.Event] = {}  # name -> its foreground write batch's event
         self._copies: Counter[str] = Counter()  # copies prepared and not completed, per name
+        self._generation: Counter[str] = Counter()  # names with copies: how often replaced since
         self._locks: dict[str, asyncio.Lock] = {}
         # names being read -> tier -> how often placed there anew (a write or copy) since
         # (`placements`: a read's "gone" is about the object it began reading, not a newer one)
@@ -167,7 +171,20 @@ class InFlight:
         self._landing[(move.key, move.dst)] = self.source(move.key, move.src)
         self.placing(move.key, move.dst)
         self._copies[move.key] += 1
-        return Ticket("copy", [move.key], copy=move)
+        return Ticket("copy", [move.key], copy=move, generation=self._generation[move.key])
+
+    def replaced(self, name: str) -> None:
+        """`name` is written anew: the copies of it decided before carry the object before
+        (`stale`: they must not land), and it is read where the books place it, not where
+        such a copy's bytes are."""
+        if name in self._copies:
+            self._generation[name] += 1
+            for key in [k for k in self._landing if k[0] == name]:
+                del self._landing[key]
+
+    def stale(self, ticket: Ticket) -> bool:
+        """A copy whose name was written anew since it was decided (`replaced`)."""
+        return self._generation[ticket.names[0]] != ticket.generation
 
     @asynccontextmanager
     async def turn(self, ticket: Ticket, limit: asyncio.Semaphore) -> AsyncIterator[int]:
@@ -211,6 +228,7 @@ class InFlight:
         if self._copies[name] > 0:
             return False
         del self._copies[name]
+        self._generation.pop(name, None)
         self._locks.pop(name, None)
         for key in [k for k in self._landing if k[0] == name]:
             del self._landing[key]

@@ -51,13 +51,24 @@ class Mover:
         # a write or copy of such a name into that tier waits for them (`settled`), so a
         # delete decided before the name was stored again cannot land after its bytes
         self.deleting: list[Counter[str]] = [Counter() for _ in parts.tiers]
+        # per tier: names a copy is writing there now; a foreground write of such a name
+        # waits for it (`settled`), so the object before cannot land over the new one
+        self.copying_into: list[Counter[str]] = [Counter() for _ in parts.tiers]
 
     async def carry_out(self, moves: Sequence[Move]) -> None:
-        """Drops now (batched per tier); then promotions and demotions in the background.
+        """`begin` the moves, then wait for their drops (`finish`)."""
+        await self.finish(self.begin(moves))
 
-        Drops go first so that a delete decided before a copy of the same name into the
-        same tier can never land after that copy.
-        """
+    def begin(self, moves: Sequence[Move]) -> asyncio.Task[Any] | None:
+        """Carry out the engine's moves, all bookkeeping now (in one step, so a caller
+        cancelled afterwards cannot leave it half done: a copy decided and never run
+        would hold its name's tickets and its source's room forever): the drops are
+        marked under way and sent on a task of their own (batched per tier), the copies
+        start in the background (a copy into a tier waits for the drops of its name from
+        there decided before it: `settled`), and names no tier keeps are announced gone.
+        The copies begin once the drops are over: the room a demotion lands in is the room
+        the plan's drops make (else a tier's backend would evict to make it).
+        Returns the drops' task, for `finish` (None: no drops)."""
         p = self.p
         drops: dict[int, list[str]] = {}
         copies: list[Ticket] = []
@@ -75,29 +86,39 @@ class Mover:
                 else:
                     self.promoting[m.key] += 1
                 copies.append(p.inflight.prepare_copy(m))  # until it lands, read it where its bytes are
-        await self.delete_each(list(drops.items()), timed=True)
+        plan = list(drops.items())
+        self._mark(plan)
+        sending = self._spawn(self._send(plan, guarded=True, timed=True)) if plan else None
         for ticket in copies:
-            self._spawn(self._copy(ticket))
+            self._spawn(self._copy(ticket, sending))
         gone = []
         for m in moves:
             if isinstance(m, Drop) and p.placement.where(m.key) is None:
                 p.book.discard(m.key)
                 gone.append(m.key)
         p.gone(gone)
+        return sending
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    async def finish(self, sending: asyncio.Task[Any] | None) -> None:
+        """Wait for the drops `begin` sent; a cancelled caller stops waiting, the drops
+        go on (`drain` waits for them)."""
+        if sending is not None:
+            await asyncio.shield(sending)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         metrics = self.p.metrics
         metrics.moves_in_flight.set(len(self.tasks))
 
-        def done(t: asyncio.Task[None]) -> None:
+        def done(t: asyncio.Task[Any]) -> None:
             self.tasks.discard(t)
             metrics.moves_in_flight.set(len(self.tasks))
             if not t.cancelled() and t.exception() is not None:
-                log.error("kvstore: background copy failed", exc_info=t.exception())
+                log.error("kvstore: background move failed", exc_info=t.exception())
 
         task.add_done_callback(done)
+        return task
 
     async def room(self, j: int, promoting: bool = False) -> None:
         """Wait (a bounded time) until tier `j`'s books plus the bytes still leaving it fit
@@ -140,11 +161,28 @@ class Mover:
         """Delete `names` from tier `j` for each (j, names) of `plan`, every tier at once.
         All of them are marked under way before the first is sent (no write of those names
         into those tiers starts meanwhile: `settled`), each until its own delete is over."""
-        p = self.p
+        self._mark(plan)
+        return await self._send(plan, guarded=guarded, timed=timed)
+
+    def _mark(self, plan: Sequence[tuple[int, Sequence[str]]]) -> None:
         for j, names in plan:
             self.deleting[j].update(names)
 
-        async def one(j: int, names: Sequence[str]) -> list[bool]:
+    async def _send(
+        self, plan: Sequence[tuple[int, Sequence[str]]], *, guarded: bool, timed: bool
+    ) -> list[list[bool]]:
+        """The deletes `_mark` marked, every tier at once; each mark is lifted when its
+        delete is over, or when this is cancelled (also before that delete began)."""
+        p = self.p
+        over = [False] * len(plan)
+
+        def lift(k: int) -> None:
+            if not over[k]:
+                over[k] = True
+                self._deleted_from(*plan[k])
+
+        async def one(k: int) -> list[bool]:
+            j, names = plan[k]
             try:
                 t0 = time.perf_counter()
                 held = await (p.guard.delete(j, names) if guarded else p.tiers[j].delete_many(names))
@@ -152,9 +190,13 @@ class Mover:
                     p.metrics.op_seconds.labels("delete", p.labels[j]).observe(time.perf_counter() - t0)
                 return held
             finally:
-                self._deleted_from(j, names)
+                lift(k)
 
-        return list(await asyncio.gather(*(one(j, names) for j, names in plan)))
+        try:
+            return list(await asyncio.gather(*(one(k) for k in range(len(plan)))))
+        finally:
+            for k in range(len(plan)):
+                lift(k)
 
     async def delete(self, j: int, names: Sequence[str], *, guarded: bool = True) -> list[bool]:
         """`delete_each` for one tier."""
@@ -170,15 +212,19 @@ class Mover:
 
     async def settled(self, j: int, names: Sequence[str]) -> None:
         """Wait (a bounded time, as `room`) until no delete of ours of `names` from tier
-        `j` is under way: one decided before these bytes were planned must not land after
-        them (the books would hold a name its medium lost: a counted miss later)."""
-        deleting = self.deleting[j]
-        if await self._until(lambda: not any(name in deleting for name in names)):
+        `j` is under way, nor a copy's write of them into it: a delete decided before
+        these bytes were planned must not land after them (the books would hold a name
+        its medium lost: a counted miss later), nor a copy of the object before (a
+        promotion or demotion decided before the name was written anew)."""
+        deleting, copying = self.deleting[j], self.copying_into[j]
+        if await self._until(lambda: not any(name in deleting or name in copying for name in names)):
             return
         # a delete outlasting the tier's deadline: the write goes on (a store must not stall),
         # counted, and if that delete lands after it the read is a counted miss
         self.p.metrics.errors.labels("write after a slow delete", self.p.labels[j]).inc()
-        log.warning("kvstore: %s: a delete of a name being written again is still under way", self.p.labels[j])
+        log.warning(
+            "kvstore: %s: a delete or copy of a name being written again is still under way", self.p.labels[j]
+        )
 
     def _gone_from_media(self, name: str) -> None:
         """`name`'s last copy is done: no medium keeps bytes of it that the books let go."""
@@ -195,19 +241,23 @@ class Mover:
         while self.tasks:
             await asyncio.gather(*list(self.tasks), return_exceptions=True)
 
-    async def _copy(self, ticket: Ticket) -> None:
-        """One promotion or demotion.  Copies of one name run one at a time (in order);
-        the source stays readable until the name's last copy is done."""
+    async def _copy(self, ticket: Ticket, after: asyncio.Task[Any] | None = None) -> None:
+        """One promotion or demotion, once the drops `after` are over.  Copies of one name
+        run one at a time (in order); the source stays readable until the name's last
+        copy is done."""
         p = self.p
         m = ticket.copy
         assert m is not None
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_moves)
         try:
+            if after is not None:
+                await asyncio.wait({after})
             if m.kind == "promote" and m.key in p.placement.tiers[m.dst].resident:
                 await self.room(m.dst, promoting=True)  # into a full tier: after the demotions out of it
             async with p.inflight.turn(ticket, self._sem) as src:
-                await self._copy_into(m, src)
+                if not p.inflight.stale(ticket):  # (else written anew since: the old bytes stay out)
+                    await self._copy_into(m, src, ticket)
         finally:
             if m.kind == "promote":
                 self.promoting[m.key] -= 1
@@ -224,12 +274,15 @@ class Mover:
                     self._gone_from_media(m.key)
             p.update_gauges()
 
-    async def _copy_into(self, m: Copy, src: int) -> None:
+    async def _copy_into(self, m: Copy, src: int, ticket: Ticket) -> None:
         p = self.p
         name, dst = m.key, m.dst
         if name not in p.placement.tiers[dst].resident:
             return  # evicted again before the copy started
-        if not await self._copy_bytes(name, src, dst):
+        ok = await self._copy_bytes(name, src, dst, ticket)
+        if ok is None:
+            return  # written anew while it was read: not copied
+        if not ok:
             if (await p.tiers[dst].contains_many([name]))[0]:
                 return  # an earlier copy of the same name has landed it
             if p.forget(name, dst):
@@ -251,7 +304,9 @@ class Mover:
         if name not in p.placement.tiers[dst].resident:
             await self.delete(dst, [name], guarded=False)  # evicted while copying
 
-    async def _copy_bytes(self, name: str, src_i: int, dst_i: int) -> bool:
+    async def _copy_bytes(self, name: str, src_i: int, dst_i: int, ticket: Ticket) -> bool | None:
+        """Copy `name`'s frame from tier `src_i` into `dst_i`: whether it landed; None when
+        the name was written anew meanwhile (`InFlight.stale`: the old bytes stay out)."""
         p = self.p
         src, dst = p.tiers[src_i], p.tiers[dst_i]
         taken: list[bytearray] = []
@@ -269,13 +324,22 @@ class Mover:
             if frame.header.codec == dst.codec.name:
                 parts = [memoryview(taken[-1])]  # the verified frame as read, byte for byte
             else:
-                try:
-                    parts = src.transcode(frame, name, dst.codec)
+                try:  # (decode and encode: on a worker thread, the loop serves on)
+                    parts = await asyncio.to_thread(src.transcode, frame, name, dst.codec)
                 except (FrameError, ValueError):
                     p.metrics.errors.labels("copy", p.labels[src_i]).inc()
                     return False
             await self.settled(dst_i, [name])  # after a delete of the name there decided earlier
-            ok = (await dst.put_frames([(name, parts)]))[0]  # every backend is done with the buffer here
+            if p.inflight.stale(ticket):
+                return None
+            self.copying_into[dst_i][name] += 1  # (a write of the name anew there waits: `settled`)
+            try:
+                ok = (await dst.put_frames([(name, parts)]))[0]  # every backend is done with the buffer here
+            finally:
+                self.copying_into[dst_i][name] -= 1
+                if self.copying_into[dst_i][name] <= 0:
+                    del self.copying_into[dst_i][name]
+                self._wake()
         finally:
             for buf in taken:
                 p.pool.give(buf)

@@ -60,13 +60,21 @@ class Writer:
         by_tier: dict[int, list[tuple[int, Write]]] = {}
         for i, w in writes:
             by_tier.setdefault(w.dst, []).append((i, w))
+        sending = self.mover.begin(moves)  # (now: a cancel later must not leave the moves half done)
+        reported: set[tuple[str, int]] = set()  # (name, tier) writes whose outcome is on the books
         try:  # (completing the ticket however this ends: else its names stay invisible)
             await self._seal_shared(frames, writes)
-            await self.mover.carry_out(moves)
+            await self.mover.finish(sending)
             # the caller's data: written in the foreground, one batch per tier
             await asyncio.gather(
-                *(self._write_tier(j, b, items, frames, layout, results, ticket) for j, b in by_tier.items())
+                *(
+                    self._write_tier(j, b, items, frames, layout, results, ticket, reported)
+                    for j, b in by_tier.items()
+                )
             )
+        except asyncio.CancelledError:
+            self._unreported(writes, reported)
+            raise
         finally:
             p.inflight.complete(ticket)
         for name, _ in items:
@@ -124,6 +132,7 @@ class Writer:
                 steps.append((i, m) if isinstance(m, Write) else m)
         writes, moves = self._shortest_way(steps)
         for _, w in writes:
+            p.inflight.replaced(w.key)  # (copies of it under way carry the object before)
             p.inflight.add_write(ticket, w.key)
             p.inflight.placing(w.key, w.dst)
         return ticket, writes, moves
@@ -136,6 +145,21 @@ class Writer:
         Redis tier hashing as it writes) would hold the others' writes of it until it is done."""
         times = Counter(i for i, _ in writes)
         await seal_frames(frames[i] for i, n in times.items() if n > 1)
+
+    def _unreported(self, writes: list[tuple[int, Write]], reported: set[tuple[str, int]]) -> None:
+        """The caller gave up (its deadline) before these writes' outcomes came back: off
+        the books, as failed writes (counted), so no lookup promises them and a store of
+        the name again writes it (else it would be a touch of bytes that may not be
+        there).  A write that lands anyway is bytes the books do not count; a store that
+        discovers finds it."""
+        p = self.p
+        with p.changing():
+            for _, w in writes:
+                if (w.key, w.dst) not in reported:
+                    p.metrics.errors.labels("put cancelled", p.labels[w.dst]).inc()
+                    p.placement.forget(w.key, w.dst)
+                    if p.placement.where(w.key) is None:
+                        p.book.discard(w.key)
 
     def _ancestors(self, name: str) -> set[str]:
         """`name` and the chunks before it in its prefix chain, as far as the books know."""
@@ -213,6 +237,7 @@ class Writer:
         layout: str,
         results: list[bool],
         ticket: Ticket,
+        reported: set[tuple[str, int]],
     ) -> None:
         p = self.p
         tier = p.tiers[j]
@@ -222,8 +247,8 @@ class Writer:
         for i, w in batch:
             parts = frames[i]
             if not same:
-                try:
-                    parts = tier.encode(items[i][1], w.key, layout)
+                try:  # (a codec such as CacheGen: on a worker thread, the loop serves on)
+                    parts = await tier.encode_off_loop(items[i][1], w.key, layout)
                 except Exception as exc:  # this tier's codec cannot take it: a failed write there
                     log.warning("kvstore: %s cannot encode %s: %s", p.labels[j], w.key, exc)
                     encoded.append(False)
@@ -246,6 +271,7 @@ class Writer:
         ok = [next(written) if e else False for e in encoded]
         for (i, w), good in zip(batch, ok):
             name = w.key
+            reported.add((name, j))
             if not good:  # off the books as it stops being written, in one stretch
                 p.metrics.errors.labels("put", p.labels[j]).inc()
                 with p.changing():

@@ -258,3 +258,44 @@ def test_channel_scaled_profile_rounds_scales_and_survives_float16_overflow():
         m = (xs.float() * inv).abs().amax(-1, keepdim=True)
         bound = m / 14 * 1.01 / inv + xs.float().abs() * 2**-10 + 1e-6
         assert ((y.float() - xs.float()).abs() <= bound).all()
+
+
+async def test_a_cachegen_tier_encodes_and_decodes_on_worker_threads(monkeypatch):
+    """A store whose lower tier keeps CacheGen frames (`cold_codec`) encodes the chunks
+    written through to it, decodes the ones read from it, and transcodes the ones it
+    promotes on worker threads: the store's event loop serves other calls meanwhile."""
+    import threading
+
+    from kvstore.backends import open_backend
+    from kvstore.tier import Tier
+    from kvstore.tiered import TieredStore, TierSpec
+
+    ran: dict[str, set[bool]] = {"encode": set(), "decode": set()}
+    encode, decode = CacheGenCodec.frame_parts, CacheGenCodec.decode_payload
+
+    def frame_parts(self, *a, **kw):  # type: ignore[no-untyped-def]
+        ran["encode"].add(threading.current_thread() is threading.main_thread())
+        return encode(self, *a, **kw)
+
+    def decode_payload(self, *a, **kw):  # type: ignore[no-untyped-def]
+        ran["decode"].add(threading.current_thread() is threading.main_thread())
+        return decode(self, *a, **kw)
+
+    monkeypatch.setattr(CacheGenCodec, "frame_parts", frame_parts)
+    monkeypatch.setattr(CacheGenCodec, "decode_payload", decode_payload)
+    x = kv_like((2, 8, 256, 128))  # 1 MiB (a smaller chunk is encoded at once, on the loop)
+    store = TieredStore(
+        [
+            TierSpec(Tier(open_backend("mem://")), capacity=8 << 20),
+            TierSpec(Tier(open_backend("mem://"), codec="cachegen"), capacity=8 << 20, write="through"),
+        ]
+    )
+    name = "ns/m/f-1-0/1"
+    assert await store.put_many([(name, x)]) == [True]
+    await store.tiers[0].delete_many([name])
+    store.placement.forget(name, 0)  # only the CacheGen copy is left
+    (y,) = await store.get_many([name])
+    assert y is not None
+    max_error_ok(x, y, CacheGenCodec())
+    await store.close()
+    assert ran == {"encode": {False}, "decode": {False}}

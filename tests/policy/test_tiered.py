@@ -932,3 +932,102 @@ async def test_a_tier_failing_every_read_keeps_its_names_however_long() -> None:
     got = await store.get_many([name(1), name(2)])
     assert torch.equal(got[0], chunk(1)) and torch.equal(got[1], chunk(2))
     await store.close()
+
+
+async def two_tier_store(hot_chunks: int, cold: MemoryBackend, cold_chunks: int = 100) -> TieredStore:
+    """A memory tier of `hot_chunks` chunks over `cold` (`cold_chunks` chunks)."""
+    probe = TieredStore.from_urls(["mem://"])
+    await probe.put_many([(name(0), chunk(0))])
+    size = probe.placement.tiers[0].used
+    await probe.close()
+    hot = MemoryBackend("mem://", capacity=hot_chunks * size)
+    return TieredStore(
+        [TierSpec(Tier(hot), capacity=hot_chunks * size), TierSpec(Tier(cold), capacity=cold_chunks * size)]
+    )
+
+
+async def test_a_name_deleted_and_stored_again_while_its_promotion_runs_serves_the_new_bytes() -> None:
+    """A promotion decided before a name was deleted and stored again carries the object
+    before: reads serve the new bytes, before and after that promotion would have landed."""
+    warm = HeldMemoryBackend()
+    store = await two_tier_store(2, warm)
+    for i in (1, 2, 3):
+        await store.put_many([(name(i), chunk(i))])
+        await store.drain()
+    x = next(name(i) for i in (1, 2, 3) if store.placement.where(name(i)) == 1)
+    (got,) = await store.get_many([x])  # a hit in the lower tier: its promotion starts
+    assert got is not None
+    warm.reads_in.clear()  # the promotion's read of the old bytes waits
+    await asyncio.sleep(0)
+    assert await store.delete_many([x]) == [True]
+    new = torch.full((N,), -7.0)
+    assert await store.put_many([(x, new)]) == [True]
+    reading = asyncio.ensure_future(store.get_many([x]))
+    await asyncio.sleep(0.05)
+    warm.reads_in.set()
+    (got,) = await reading
+    assert got is not None and torch.equal(got, new)
+    await store.drain()
+    (got,) = await store.get_many([x])
+    assert got is not None and torch.equal(got, new)
+    await store.close()
+
+
+async def test_a_put_cancelled_while_its_drops_run_leaves_no_move_half_done() -> None:
+    """A store call cancelled (its caller's deadline) while the drops its plan decided are
+    under way: the demotions that plan decided still run, nothing stays 'in flight', and
+    later stores into the full tier do not wait for room that never comes."""
+    cold = HeldMemoryBackend()
+    store = await two_tier_store(2, cold, cold_chunks=1)
+    for i in (1, 2, 3):
+        await store.put_many([(name(i), chunk(i))])
+        await store.drain()
+    demoted = [n for n in store.placement.tiers[1].resident]
+    cold.deletes.clear()  # the last tier's deletes hang
+    put = asyncio.ensure_future(store.put_many([(name(4), chunk(4))]))
+    await asyncio.sleep(0.05)
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    cold.deletes.set()
+    await store.drain()
+    assert not store.inflight._copies and not store.inflight._landing
+    assert store.mover.leaving == [{}, {}]
+    held = [n for n in store.placement.tiers[1].resident]
+    assert held and held != demoted  # the plan's demotion landed in the lower tier
+    (got,) = await store.get_many(held)
+    assert got is not None
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for i in (5, 6):
+        await store.put_many([(name(i), chunk(i))])
+    assert loop.time() - started < 1.0
+    await store.close()
+
+
+class SlowPutMemoryBackend(MemoryBackend):
+    """A memory backend whose writes take `delay` seconds."""
+
+    delay = 0.0
+
+    async def put_many(self, items):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(self.delay)
+        return await super().put_many(items)
+
+
+async def test_a_store_call_cancelled_before_its_write_landed_promises_nothing() -> None:
+    """A store the caller stopped waiting for (its deadline) is off the books: no lookup
+    promises the chunk, and storing it again writes it (not a touch of bytes that are
+    not there)."""
+    backend = SlowPutMemoryBackend("mem://")
+    store = TieredStore([TierSpec(Tier(backend), capacity=1 << 20)])
+    backend.delay = 1.0
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(store.put_many([(name(1), chunk(1))]), 0.1)
+    assert store.placement.where(name(1)) is None
+    assert await store.contains_many([name(1)]) == [False]
+    backend.delay = 0.0
+    assert await store.put_many([(name(1), chunk(1))]) == [True]
+    (got,) = await store.get_many([name(1)])
+    assert got is not None and torch.equal(got, chunk(1))
+    await store.close()
