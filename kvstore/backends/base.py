@@ -42,7 +42,8 @@ object (a file that is a directory, a key of the wrong type, a name that cannot 
 encoded) stays that object's: the rest of the batch is served.  An object larger than
 `Backend.max_object_bytes` (URL option ``max_object_size``, default 1GiB) is neither
 stored nor read into memory: puts refuse it, and a stored one (a file extended, a
-manifest claiming a huge total) is a miss, quarantined where the backend wrote it.
+manifest claiming a huge total) is a miss counted in ``rejected`` and left where it is
+(another process may have written it under a larger limit; raise the reader's).
 What a listing could not read is recorded in `Backend.unlisted` (what, why) instead of
 ending the listing.
 """
@@ -314,11 +315,12 @@ class Backend(abc.ABC):
         that cannot be said from the URL (a directory of its own, process memory)."""
         return None
 
-    async def make_durable(self) -> None:  # noqa: B027 - optional hook
-        """Make every object this backend has written so far survive a crash or power
-        loss, where a successful put alone does not (a disk store's renames, until their
-        directories are synced). Here: nothing to do. `kvstore migrate --delete-source`
-        calls it before deleting any source."""
+    async def make_durable(self, names: Sequence[str] | None = None) -> None:  # noqa: B027 - optional hook
+        """Make every object this backend has written so far, and the objects `names`
+        (whoever wrote them, e.g. an earlier run with syncing off), survive a crash or
+        power loss, where a successful put alone does not (a disk store's renames, until
+        their directories are synced). Here: nothing to do. `kvstore migrate
+        --delete-source` calls it with the names whose sources it is about to delete."""
 
     def evicted(self, names: builtins.list[str]) -> None:
         """Tell `on_evict` that `names` were evicted to stay under `capacity` (counted)."""

@@ -246,9 +246,29 @@ def _sync_directories(dirs: Iterable[Path]) -> None:
             os.close(fd)
 
 
+def _sync_files(paths: Iterable[Path]) -> None:
+    """fsync each regular file that is there (its data and size); one gone since is
+    skipped (whoever deleted it decided; the caller checks what is still there)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
 class _Defective(Exception):
-    """What is at an object's path cannot be that object (a directory, a file larger than
-    any object written here); the reader quarantines it and serves a miss."""
+    """What is at an object's path cannot be that object (a directory or other non-file);
+    the reader quarantines it and serves a miss."""
+
+
+class _TooLarge(Exception):
+    """A file larger than this reader's ``max_object_size``: not read into memory, a
+    counted miss (``rejected``), left in place: another process may have written it
+    under a larger limit."""
 
 
 def local_file_system(path: Path) -> bool:
@@ -275,7 +295,7 @@ def _check_stat(st: os.stat_result, max_size: int) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise _Defective("not a regular file")
     if st.st_size > max_size:
-        raise _Defective(f"{st.st_size} bytes, over {MAX_OBJECT_OPTION}={max_size}")
+        raise _TooLarge(st.st_size)
 
 
 @aiofiles.os.wrap
@@ -701,14 +721,24 @@ class DiskBackend(Backend):
             )
         return risks
 
-    async def make_durable(self) -> None:
-        """Sync every shard directory, the objects directory, the store's and the one
-        above it: a rename is on the disk only once its directory is (each file was
-        synced before it), and a directory made since it was last synced only once its
-        parent is. Every shard, not only those this process wrote into: an earlier run's
-        objects a rerun found in place count as copied too."""
+    async def make_durable(self, names: Sequence[str] | None = None) -> None:
+        """Sync the files of `names` (an earlier run with ``fsync=false`` may have left
+        them in the page cache only: a file written here with ``fsync=true`` was synced
+        before its rename, so syncing it again costs little), then every shard
+        directory, the objects directory, the store's and the one above it: a rename is
+        on the disk only once its directory is, and a directory made since it was last
+        synced only once its parent is. Every shard, not only those this process wrote
+        into: an earlier run's objects a rerun found in place count as copied too."""
         if not self.fsync:
             return
+        if names:
+            files: list[Path] = []
+            for name in names:
+                path = self.path_of(name)
+                files.append(path)
+                if path.name.startswith("~"):  # a long name's side file names it
+                    files.append(Path(f"{path}.name"))
+            await asyncio.to_thread(_sync_files, files)
         shards = [self.objects_dir / s for s in SHARDS]
         dirs = [*(d for d in shards if d.is_dir()), self.objects_dir, self.root]
         await asyncio.to_thread(_sync_directories, dirs)
@@ -728,9 +758,20 @@ class DiskBackend(Backend):
 
     # ---- put ----------------------------------------------------------------
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
-        return list(await asyncio.gather(*(self._put_one(n, v) for n, v in items)))
+        """Each object written beside its place and renamed into it, on worker threads.  A
+        caller that stops waiting (a deadline) waits for the writes already begun (they
+        read its buffers: a buffer reused meanwhile would land torn, under a checksum
+        computed as it was written); writes not yet begun do not begin."""
+        stop = asyncio.Event()
+        work = asyncio.gather(*(self._put_one(n, v, stop) for n, v in items))
+        try:
+            return list(await asyncio.shield(work))
+        except asyncio.CancelledError:
+            stop.set()
+            await wait_out(work)
+            raise
 
-    async def _put_one(self, name: str, value: Value) -> bool:
+    async def _put_one(self, name: str, value: Value, stop: asyncio.Event | None = None) -> bool:
         try:
             check_object_name(name)
         except InvalidKeyError as exc:
@@ -754,6 +795,9 @@ class DiskBackend(Backend):
                 return False
             if not reserved:
                 self.counters.rejected += 1
+                return False
+            if stop is not None and stop.is_set():  # the caller stopped waiting before it began
+                await self._index_call(self.index.unreserve, name, writer)
                 return False
             try:
                 await _write_object(self.path_of(name), name, parts, size, self.fsync, unsealed)
@@ -902,7 +946,7 @@ class DiskBackend(Backend):
             if isinstance(r, tuple):
                 size, got, out[k] = r
                 self._read_done(names[k], size, got)
-            elif isinstance(r, (OSError, _Defective)):
+            elif isinstance(r, (OSError, _Defective, _TooLarge)):
                 await self._read_failed(names[k], r)
             elif isinstance(r, Exception):
                 self.counters.misses += 1
@@ -947,6 +991,9 @@ class DiskBackend(Backend):
             else:  # maybe a row without a file: checked with the next batch
                 self._missing.add(name)
                 self._later()
+        elif isinstance(exc, _TooLarge):  # maybe written under a larger limit: left where it is
+            self.too_large(name, int(exc.args[0]))  # (logged: raise max_object_size if it is real)
+            self.counters.rejected += 1
         elif isinstance(exc, _Defective):
             log.warning("kvstore disk: %s cannot be an object (%s); quarantined", printable_name(name), exc)
             await self.quarantine(name, f"{type(exc).__name__}: {exc}")
@@ -972,7 +1019,7 @@ class DiskBackend(Backend):
         try:
             async with self._sem:
                 size, got, result = await read()
-        except (OSError, _Defective) as exc:
+        except (OSError, _Defective, _TooLarge) as exc:
             await self._read_failed(name, exc)
             return None
         finally:
@@ -987,7 +1034,7 @@ class DiskBackend(Backend):
         try:
             check_object_name(name)
             fd, size = await _open_read(self.path_of(name), 1 << 62)
-        except (InvalidKeyError, OSError, _Defective):
+        except (InvalidKeyError, OSError, _Defective, _TooLarge):
             return None
         buf = memoryview(bytearray(min(size, nbytes)))
         try:

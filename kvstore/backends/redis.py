@@ -81,8 +81,9 @@ from kvstore.backends.redis_wire import Gathered, gathering
 from kvstore.backends.stream import StreamSink, stream_from_buffer
 from kvstore.deadlines import within
 from kvstore.frame import UnsealedFrame, seal_frames
-from kvstore.keys import InvalidKeyError, check_object_name, printable_name
+from kvstore.keys import InvalidKeyError, check_object_name, is_object_name, printable_name
 from kvstore.options import option_float, option_int, option_size
+from kvstore.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,13 @@ SLOW_PROBE_SHARE = 0.2  # a lookup's round trip on the caller's thread over this
 TEMP_TTL_MIN = 60.0  # seconds a temporary key outlives a writer that died before publishing it
 CLOCK_REFRESH_S = 600.0  # seconds between asks for the server's clock (generations are stamped with it)
 GC_GRACE_MIN = 3600.0  # seconds a multi-part write's parts are safe from collect_garbage, at least
+#: the first ARGV[2] bytes of hash field ARGV[1] of KEYS[1] (a multi-part value's first
+#: part): a header read moves a few KiB over the wire, not a part of up to 512 MiB
+HEAD_OF_PART = (
+    "local v = redis.call('HGET', KEYS[1], ARGV[1]) "
+    "if not v then return false end "
+    "return string.sub(v, 1, tonumber(ARGV[2]))"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,7 +252,7 @@ class RedisBackend(Backend):
     schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
     #: `read_streamed` writes into the caller's buffers only from the event loop, so
     #: cancelling it stops those writes at once (the disk backend's worker threads do not)
-    capabilities = Capabilities(streamed_reads=True, streams_on_loop=True, server_ttl=True)
+    capabilities = Capabilities(streamed_reads=True, streams_on_loop=True, server_ttl=True, ranged_reads=True)
 
     def __init__(
         self,
@@ -639,6 +647,65 @@ class RedisBackend(Backend):
                 self.counters.get_bytes += v.nbytes
         return out
 
+    async def read_heads(self, names: Sequence[str], nbytes: int) -> list[memoryview | None]:
+        """The first `nbytes` of each value by GETRANGE; a multi-part value's through its
+        manifest, from its first part (`HEAD_OF_PART`, a server-side script; HGET of the
+        whole part where scripts are refused). None: absent, a key of another type or a
+        part lost (a miss), or a read that failed (counted in ``get_errors``). Nothing
+        is refused for its size and nothing is quarantined: no object comes into memory.
+        """
+        out: list[memoryview | None] = [None] * len(names)
+        valid = [i for i, n in enumerate(names) if is_object_name(n)]
+        if not valid:
+            return out
+        pfx = self.options.prefix
+        want = max(nbytes, layout.MANIFEST_LEN + 1)  # (a value of exactly MANIFEST_LEN bytes may be a manifest)
+
+        async def job() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for i in valid:
+                pipe.getrange(layout.data_key(pfx, names[i]), 0, want - 1)
+                pipe.exists(layout.data_key(pfx, names[i]))  # (GETRANGE of no key and of b"" are alike)
+            replies = await pipe.execute(raise_on_error=False)
+            manifests: list[tuple[int, layout.Manifest]] = []
+            for k, i in enumerate(valid):
+                head, there = replies[2 * k], replies[2 * k + 1]
+                if isinstance(head, Exception) or isinstance(there, Exception):
+                    self._foreign(names[i], head if isinstance(head, Exception) else there)
+                    continue
+                if not there:
+                    continue
+                manifest = layout.decode_manifest(head)
+                if manifest is None:
+                    out[i] = memoryview(head)[:nbytes]
+                else:
+                    manifests.append((i, manifest))
+            await _all_settled(self._head_of_parts(names[i], m, nbytes, out, i) for i, m in manifests)
+
+        if (await self._run("get", [job()], nbytes * len(valid)))[0]:
+            self.counters.get_errors += len(valid)
+            return [None] * len(names)
+        return out
+
+    async def _head_of_parts(
+        self, name: str, manifest: layout.Manifest, nbytes: int, out: list[memoryview | None], i: int
+    ) -> None:
+        """`out[i]`: the first `nbytes` of the first part `manifest` names (None if lost)."""
+        hkey = layout.parts_key(self.options.prefix, name)
+        field = manifest.fields()[0]
+        want = min(nbytes, manifest.part_len(0))
+        async with self._big:
+            try:
+                piece = await self.client.eval(HEAD_OF_PART, 1, hkey, field, want)
+            except ResponseError:  # scripts refused (ACL, disabled): the whole part
+                try:
+                    piece = await self.client.hget(hkey, field)
+                except ResponseError as exc:  # a key of another type at the parts' key
+                    self._foreign(name, exc)
+                    return
+        if piece is not None and len(piece) >= want:
+            out[i] = memoryview(piece)[:want]
+
     async def read_streamed(
         self, names: Sequence[str], open_sink: Callable[[str], StreamSink]
     ) -> list[object | None]:
@@ -686,17 +753,25 @@ class RedisBackend(Backend):
 
     async def _strlens(self, names: Sequence[str], idx: list[int], sizes: dict[int, int]) -> None:
         """Sizes of the values at `idx`; a key of another type (an error reply for that key
-        alone) or a value larger than any object written here is that object's miss."""
+        alone) or a value over this reader's ``max_object_size`` is that object's miss
+        (`_refuse`: left stored)."""
         pipe = self.client.pipeline(transaction=False)
         for i in idx:
             pipe.strlen(layout.data_key(self.options.prefix, names[i]))
         for i, r in zip(idx, await pipe.execute(raise_on_error=False)):
             if isinstance(r, Exception):
                 self._foreign(names[i], r)
-            elif self.too_large(names[i], int(r)):
-                await self.quarantine(names[i], f"value of {int(r)} bytes, over {MAX_OBJECT_OPTION}")
-            else:
+            elif not self._refuse(names[i], int(r)):
                 sizes[i] = int(r)
+
+    def _refuse(self, name: str, size: int) -> bool:
+        """Whether a value of `size` bytes is over this reader's ``max_object_size``: then
+        it is a miss counted in ``rejected`` (logged, saying to raise the option) and is
+        left stored, never deleted: a store with a larger limit may have written it."""
+        if not self.too_large(name, size):
+            return False
+        self.counters.rejected += 1
+        return True
 
     def _foreign(self, name: str, exc: BaseException) -> None:
         """A key of ours holding something kvstore never writes (e.g. WRONGTYPE): a miss,
@@ -722,13 +797,12 @@ class RedisBackend(Backend):
         if len(data) == layout.MANIFEST_LEN:
             manifest = layout.decode_manifest(data)
             if manifest is not None:
-                if self.too_large(name, manifest.total):
-                    await self.quarantine(
-                        name, f"manifest claims {manifest.total} bytes, over {MAX_OBJECT_OPTION}"
-                    )
+                if self._refuse(name, manifest.total):  # before any buffer is allocated
                     return None
                 budget.nbytes += manifest.total
                 return await self._get_parts(name, manifest, alloc)
+        if self._refuse(name, len(data)):  # (a route that learnt no size first: TLS, Cluster)
+            return None
         return self._place(data, alloc)
 
     async def _get_small(
@@ -752,7 +826,7 @@ class RedisBackend(Backend):
             async with self._big:
                 res = await self.streams.stream_get(key, sink, layout.MANIFEST_LEN)
             if sink.oversized:
-                await self.quarantine(names[i], f"value of {sink.oversized} bytes, over {MAX_OBJECT_OPTION}")
+                self._refuse(names[i], sink.oversized)
             elif isinstance(res, Manifest):
                 out[i] = await self._resolve(names[i], bytes(res), alloc, budget)
             elif isinstance(res, memoryview):
@@ -892,7 +966,9 @@ class RedisBackend(Backend):
             for i in range(len(names)):
                 out[i] = bool(replies[2 * i])
 
-        await self._run("delete", [job()] if names else [], 0)
+        failed = await self._run("delete", [job()] if names else [], 0)
+        if any(failed):  # not known to be gone: counted, so no caller takes False for "was not there"
+            self.counters.delete_errors += len(names)
         self.counters.deletes += sum(out)
         return out
 
@@ -919,6 +995,8 @@ class RedisBackend(Backend):
                 if head is None:
                     return False
                 manifest = layout.decode_manifest(head)
+                if manifest is not None and manifest.total > self.max_object_bytes:
+                    return False  # too large for this reader to read back: not proven to be what was found
                 if not (found.matches(head) if manifest is None else await self._still(name, found)):
                     return False  # (a multi-part value: read through its parts)
                 pipe.multi()
@@ -947,7 +1025,8 @@ class RedisBackend(Backend):
     async def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
         """Objects whose name starts with `prefix`, with sizes (multi-part: total length).
 
-        A server fault ends the listing early (logged and counted), it does not raise.
+        A server fault ends the listing early (logged and counted) and is recorded in
+        ``unlisted``, so every command reports the listing incomplete; it does not raise.
         """
         pfx = self.options.prefix
         pattern = layout.scan_pattern(pfx, prefix)
@@ -968,6 +1047,14 @@ class RedisBackend(Backend):
         except FAULTS as exc:
             self.counters.get_errors += 1
             self._fault("list", exc)
+            where = redact_url(self.url) + (f" under {printable_name(prefix)!r}" if prefix else "")
+            self.unlisted.append(
+                (
+                    f"the rest of the listing of {where}",
+                    f"{type(exc).__name__}: {redact_text(str(exc))}; the listing stopped part way, so objects "
+                    "after that point were not listed: rerun once Redis answers",
+                )
+            )
 
     async def _sizes(self, names: builtins.list[str]) -> builtins.list[ObjectInfo]:
         if not names:
@@ -1103,10 +1190,11 @@ class RedisBackend(Backend):
                 )
         return risks
 
-    async def make_durable(self) -> None:
+    async def make_durable(self, names: Sequence[str] | None = None) -> None:
         """Wait until what was written is in the server's append-only file on its disk:
         ``WAITAOF`` (Redis 7.2+) after one more write on the same connection, whose place
-        in the file is past every earlier write's. Where WAITAOF is not there (an older
+        in the file is past every earlier write's, `names` written by anyone before
+        included (the file is one, synced whole). Where WAITAOF is not there (an older
         server, a cluster), wait out ``appendfsync everysec``, Redis's default, which
         syncs once a second."""
         if not self.cluster:

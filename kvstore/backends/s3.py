@@ -15,7 +15,8 @@ Faults: every failed object operation (after botocore's retries, or past the
 False / None for the caller; nothing raises out of put/get/contains/delete.  `open()`
 (also run on first use) raises `S3OpenError` with the fix for a missing bucket, rejected
 credentials or an unreachable endpoint; on first use the same message is logged once.
-`list()` raises `S3OpenError`/`S3ListError`: a listing silently cut short would make
+`list()` raises `S3OpenError`/`S3ListError` (both `BackendUnavailableError`s, so the
+command line exits 3 with the message): a listing silently cut short would make
 migration or garbage collection act on half the objects.
 
 Multipart uploads never outlive their put: a part that fails, a deadline that passes or a
@@ -83,8 +84,8 @@ class S3OpenError(BackendUnavailableError):
     """The bucket cannot be used as configured; the message says what to fix."""
 
 
-class S3ListError(RuntimeError):
-    """A listing failed part way; the message names the cause."""
+class S3ListError(BackendUnavailableError):
+    """A listing failed part way; the message names the cause and what to do."""
 
 
 class _Missing(Exception):
@@ -792,12 +793,21 @@ class S3Backend(Backend):
     # -- contains ------------------------------------------------------------------------
 
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
-        out = [False] * len(names)
+        return [there is True for there in await self._exists(names)]
+
+    async def _exists(self, names: Sequence[str]) -> list[bool | None]:
+        """Whether each object is there; None where that could not be learnt (a failed
+        listing or HEAD, the bucket unusable: counted by kind in ``errors``)."""
+        out: list[bool | None] = [False] * len(names)
         jobs: list[tuple[int, str]] = []
         for i, name in enumerate(names):
             with contextlib.suppress(InvalidKeyError):
                 jobs.append((i, self.options.key(check_object_name(name))))
-        if not jobs or not await self._ready():
+        if not jobs:
+            return out
+        if not await self._ready():
+            for i, _ in jobs:
+                out[i] = None
             return out
         mode = self.options.contains
         heads = jobs
@@ -807,6 +817,8 @@ class S3Backend(Backend):
             pages = None if mode == "list" else max(1, len(jobs) // self.options.contains_list_min)
             listed = await self._guarded(lambda: self._keys_between([k for _, k in jobs], pages))
             if listed is _FAILED or listed is None:
+                for i, _ in jobs:
+                    out[i] = None
                 return out
             found, reached = cast("tuple[set[str], str | None]", listed)
             for i, k in jobs:
@@ -814,7 +826,7 @@ class S3Backend(Backend):
             heads = [(i, k) for i, k in jobs if reached is not None and k > reached]
         results = await asyncio.gather(*(self._guarded(partial(self._head, k)) for _, k in heads))
         for (i, _), res in zip(heads, results):
-            out[i] = res is True
+            out[i] = None if res is _FAILED else res is True
         return out
 
     async def _head(self, key: str) -> bool:
@@ -855,19 +867,25 @@ class S3Backend(Backend):
     # -- delete ------------------------------------------------------------------------
 
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
-        """Delete; True where the object existed (and is now gone)."""
-        existed = await self.contains_many(names)
+        """Delete; True where the object existed (and is now gone). An object whose
+        existence check or delete failed is False and counted in ``delete_errors``: no
+        caller may take it for one that was not there."""
+        existed = await self._exists(names)
         out = [False] * len(names)
+        self.counters.delete_errors += sum(e is None for e in existed)
         present = [(i, self.options.key(names[i])) for i, e in enumerate(existed) if e]
         for start in range(0, len(present), DELETE_BATCH):
             batch = present[start : start + DELETE_BATCH]
             res = await self._guarded(partial(self._delete_batch, [k for _, k in batch]))
-            if not isinstance(res, set):  # failed (counted)
+            if not isinstance(res, set):  # failed (counted by kind)
+                self.counters.delete_errors += len(batch)
                 continue
             for i, k in batch:
                 if k not in res:
                     out[i] = True
                     self.counters.deletes += 1
+                else:
+                    self.counters.delete_errors += 1
         return out
 
     async def quarantine(self, name: str, reason: str, found: Defect | None = None) -> bool:
@@ -1005,7 +1023,9 @@ class S3Backend(Backend):
             except Exception as exc:
                 self.errors[error_kind(exc)] += 1
                 raise S3ListError(
-                    f"listing s3://{o.bucket}/{base}{prefix} failed: {type(exc).__name__}: {exc}"
+                    f"listing s3://{o.bucket}/{base}{prefix} at {redact_url(self.url)} failed part way "
+                    f"({type(exc).__name__}: {redact_text(str(exc))}), so nothing was done with it; check that "
+                    "the endpoint answers (and the credentials may list the bucket), then rerun"
                 ) from exc
             for item in page.get("Contents", ()):
                 yield ObjectInfo(o.name(item["Key"]), int(item["Size"]), item["LastModified"].timestamp())

@@ -1,7 +1,8 @@
 """`kvstore migrate | ls | stat | verify | gc`: operate on whole stores by URL.
 
-Exit codes: 0 done; 1 done with failures (objects not copied, corrupt frames found);
-2 bad input (URL, option); 3 a backend cannot be reached or used.
+Exit codes: 0 done; 1 done with failures (objects not copied, corrupt frames found,
+deletes that failed, a listing that could not read everything); 2 bad input (URL,
+option); 3 a backend cannot be reached or used (a listing that failed part way on S3).
 """
 
 from __future__ import annotations
@@ -191,7 +192,12 @@ def migrate(
             click.echo(f"failed: {printable_name(name)}", err=True)
         for name in report.lost:
             click.echo(f"gone or changed in the destination, source kept: {printable_name(name)}", err=True)
-    if _report_unlisted(report.unlisted) or report.failed or report.lost or report.corrupt:
+    for name in report.not_deleted:
+        click.echo(
+            f"copied and checked, but the source delete failed (see -v); rerun to delete it: {printable_name(name)}",
+            err=True,
+        )
+    if _report_unlisted(report.unlisted) or report.failed or report.lost or report.corrupt or report.not_deleted:
         sys.exit(EXIT_FAILURES)
 
 
@@ -375,7 +381,16 @@ def gc(
             )
         )
     for name in report.not_deleted:
-        click.echo(f"could not delete: {printable_name(name)}", err=True)
+        click.echo(
+            f"could not delete, or not known to be deleted (a fault; see -v); rerun gc: {printable_name(name)}",
+            err=True,
+        )
+    for name in report.undated:
+        click.echo(
+            f"a damaged frame with no time to age it by, so --older-than leaves it (`kvstore verify --quarantine` "
+            f"removes it): {printable_name(name)}",
+            err=True,
+        )
     for name in report.foreign:
         click.echo(f"not a kvstore frame, left as it is: {printable_name(name)}", err=True)
     for name in report.unreadable:

@@ -69,15 +69,25 @@ def _header_cut(head: memoryview) -> bool:
     return magic == MAGIC and PREFIX_LEN + hlen > len(head)
 
 
-async def read_headers(
-    backend: Backend, names: Sequence[str], batch: int = 64, sizes: Sequence[int] | None = None
-) -> list[FrameHeader | None]:
-    """Frame headers by ranged reads; None for missing or unreadable objects.
+@dataclass(frozen=True, slots=True)
+class Head:
+    """What reading one object's frame header found: the `header`, or else the bytes
+    read and refused (`refused`: damage, or another program's object), or neither:
+    nothing came back (the object is gone, or the read failed: no proof of anything)."""
 
-    A header is unreadable too when it was written for another name, or (given the
+    header: FrameHeader | None = None
+    refused: memoryview | None = None
+
+
+async def read_heads_checked(
+    backend: Backend, names: Sequence[str], batch: int = 64, sizes: Sequence[int] | None = None
+) -> list[Head]:
+    """Frame headers by ranged reads (`Backend.read_heads`), each with what was read.
+
+    A header is refused too when it was written for another name, or (given the
     listed `sizes`) when the object's size is not what its header says.
     """
-    out: list[FrameHeader | None] = []
+    out: list[Head] = []
 
     def parse(buf: memoryview, name: str, size: int | None) -> FrameHeader:
         header, off = read_header(buf, key=name)
@@ -90,19 +100,55 @@ async def read_headers(
         chunk_sizes = list(sizes[start : start + batch]) if sizes is not None else [None] * len(chunk)
         heads = await backend.read_heads(chunk, HEAD_BYTES)
         for name, size, head in zip(chunk, chunk_sizes, heads):
-            header: FrameHeader | None = None
-            if head is not None:
-                try:
-                    header = parse(head, name, size)
-                except FrameError:
-                    if _header_cut(head):  # a header longer than HEAD_BYTES: read the object whole
-                        full = (await backend.get_many([name]))[0]
-                        try:
-                            header = parse(full, name, size) if full is not None else None
-                        except FrameError:
-                            header = None
-            out.append(header)
+            if head is None:
+                out.append(Head())
+                continue
+            try:
+                out.append(Head(header=parse(head, name, size)))
+                continue
+            except FrameError:
+                if not _header_cut(head):
+                    out.append(Head(refused=head))
+                    continue
+            # a header longer than HEAD_BYTES: read the object whole
+            full = (await backend.get_many([name]))[0]
+            if full is None:
+                out.append(Head())  # (the read failed, or it went: no proof either way)
+                continue
+            try:
+                out.append(Head(header=parse(full, name, size)))
+            except FrameError:
+                out.append(Head(refused=full[:HEAD_BYTES]))
     return out
+
+
+async def read_headers(
+    backend: Backend, names: Sequence[str], batch: int = 64, sizes: Sequence[int] | None = None
+) -> list[FrameHeader | None]:
+    """Frame headers by ranged reads; None for missing, unreadable or refused objects
+    (see `read_heads_checked`)."""
+    return [h.header for h in await read_heads_checked(backend, names, batch, sizes)]
+
+
+def _error_marks(backend: Backend) -> tuple[int, int]:
+    return backend.counters.get_errors, backend.counters.delete_errors
+
+
+async def delete_checked(backend: Backend, names: Sequence[str]) -> tuple[list[bool], list[str]]:
+    """Delete `names`; (`delete_many`'s answers, the names not deleted). A name answered
+    False counts as absent already only on proof: no read or delete error counted while
+    the delete and a lookup after it ran, and the lookup says it is not there. An answer
+    given during a fault (a backend answers a failed lookup "not there") proves nothing:
+    such a name is among those not deleted, never claimed."""
+    marks = _error_marks(backend)
+    done = await backend.delete_many(names)
+    missed = [n for n, d in zip(names, done) if not d]
+    if not missed:
+        return done, []
+    there = await backend.contains_many(missed)
+    faulted = _error_marks(backend) != marks
+    kept = {n for n, t in zip(missed, there) if t or faulted}
+    return done, [n for n in names if n in kept]
 
 
 @dataclass(slots=True)
@@ -141,7 +187,7 @@ async def stat_store(backend: Backend, prefix: str = "", namespace: str | None =
             st.by_namespace.setdefault(ns, Group()),
             st.by_model.setdefault(f"{ns}/{model}", Group()),
             st.by_codec.setdefault(codec, Group()),
-            st.by_age.setdefault(age_bucket(now - created), Group()),
+            st.by_age.setdefault(age_bucket(now - created) if created else "unknown", Group()),
         ):
             group.objects += 1
             group.bytes += info.size
@@ -193,23 +239,28 @@ async def verify_store(
             else:
                 report.not_quarantined.append(name)
 
+    async def too_large(name: str, size: str) -> None:  # never read into memory, so never quarantined
+        await bad(
+            name,
+            f"TooLarge: {size}, over max_object_size={backend.max_object_bytes} (not read: "
+            "raise max_object_size in the URL to check it)",
+            proven=False,
+        )
+
     async def check(info: ObjectInfo) -> None:
-        if info.size > backend.max_object_bytes:  # never read into memory, so never quarantined
-            await bad(
-                info.name,
-                f"TooLarge: {info.size} bytes, over max_object_size={backend.max_object_bytes} (not read: "
-                "raise max_object_size in the URL to check it)",
-                proven=False,
-            )
+        if info.size > backend.max_object_bytes:
+            await too_large(info.name, f"{info.size} bytes")
             return
-        errors = backend.counters.get_errors
+        errors, refused = backend.counters.get_errors, backend.counters.rejected
         (raw,) = await backend.get_many([info.name])
-        if raw is None and backend.counters.get_errors == errors:
+        if raw is None and backend.counters.get_errors == errors and backend.counters.rejected == refused:
             # read as absent with no error: maybe an overwrite swapped it under the read
             # (a Redis multi-part value's old parts go): one more read before calling it bad
             (raw,) = await backend.get_many([info.name])
         if raw is None:
-            if not (await backend.contains_many([info.name]))[0]:
+            if backend.counters.rejected != refused:  # grown over the limit since it was listed
+                await too_large(info.name, "grown since it was listed")
+            elif not (await backend.contains_many([info.name]))[0]:
                 report.missing += 1  # deleted or evicted since the listing
             elif backend.counters.get_errors != errors:
                 report.unreadable.append(info.name)  # the read failed: a fault, rerun to check it
@@ -249,9 +300,10 @@ class GcReport:
     uploads_aborted: int = 0  # unfinished multipart uploads (S3) aborted, or would be with dry_run
     uploads_not_aborted: list[str] = field(default_factory=list)
     unlisted: list[tuple[str, str]] = field(default_factory=list)
-    not_deleted: list[str] = field(default_factory=list)  # chosen, but still there after delete
+    not_deleted: list[str] = field(default_factory=list)  # chosen, but still there (or not known gone) after delete
     foreign: list[str] = field(default_factory=list)  # not kvstore frames (another program's keys): left
     unreadable: list[str] = field(default_factory=list)  # listed and there, but nothing of it read back: left
+    undated: list[str] = field(default_factory=list)  # no time to age them by (damaged frames on Redis): kept by age
     vanished: int = 0  # listed, then gone before its header was read
 
     def to_dict(self) -> dict[str, Any]:
@@ -276,40 +328,53 @@ async def gc_store(
 
     With `namespace`, only that namespace is considered and `max_bytes` is its budget.
     Age is the frame's creation time where readable, else the object's mtime. Objects
-    that are not kvstore frames (no frame magic) are reported in ``foreign`` and left, as
-    are objects of which nothing could be read (``unreadable``: their age is unknown).
+    that are not kvstore frames (bytes read without the frame magic) are reported in
+    ``foreign`` and left, as are objects of which nothing could be read (``unreadable``:
+    a failed read is no damage, and their age is unknown). A damaged frame (its bytes
+    read, the magic there, the header refused) is collected by its mtime; one with none
+    (a Redis listing has no time) is ``undated``: never taken by `older_than_s`, and
+    last under `max_bytes` (an unknown age is not the oldest).
     """
     listed = await list_objects(backend, prefix, namespace)
     report = GcReport(url=redact_url(backend.url), dry_run=dry_run, unlisted=list(backend.unlisted))
-    headers = await read_headers(backend, [o.name for o in listed], sizes=[o.size for o in listed])
-    # An object whose header cannot be read is ours when it starts with the frame magic
-    # (a damaged frame: collectable); without it, another program's key under the prefix,
-    # never deleted here and left out of the budget.
-    unknown = [o for o, h in zip(listed, headers) if h is None]
-    heads = list(await backend.read_heads([o.name for o in unknown], len(MAGIC))) if unknown else []
-    for k, o in enumerate(unknown):
-        if heads[k] is None:  # once more, alone (a Redis multi-part value caught mid-overwrite reads as absent)
-            (heads[k],) = await backend.read_heads([o.name], len(MAGIC))
-    blank = [o.name for o, head in zip(unknown, heads) if head is None]
+    heads = await read_heads_checked(backend, [o.name for o in listed], sizes=[o.size for o in listed])
+    for k, o in enumerate(listed):
+        if heads[k].header is None and heads[k].refused is None:
+            # nothing came back: once more, alone (a failed read, a Redis multi-part value
+            # caught mid-overwrite, which reads as absent)
+            (heads[k],) = await read_heads_checked(backend, [o.name], sizes=[o.size])
+    blank = [o.name for o, h in zip(listed, heads) if h.header is None and h.refused is None]
     if blank:
-        # nothing of it could be read: a failed read, a value caught mid-overwrite twice,
-        # or a multi-part value that lost parts. Its age is unknown (a Redis listing has no
-        # mtime) and it may be a good object or another program's, so it is left (verify
-        # tells an incomplete one apart); one no longer there is simply gone
+        # still nothing: a failed read, a value caught mid-overwrite twice, or a
+        # multi-part value that lost parts. It may be a good object or another program's
+        # and its age is unknown, so it is left (verify tells an incomplete one apart);
+        # one no longer there is simply gone
         there = await backend.contains_many(blank)
         report.unreadable = [n for n, t in zip(blank, there) if t]
         report.vanished = sum(not t for t in there)
-    report.foreign = [o.name for o, head in zip(unknown, heads) if head is not None and bytes(head[: len(MAGIC)]) != MAGIC]
+    # bytes read and refused: ours (a damaged frame, collectable) when they start with
+    # the frame magic; without it, another program's key under the prefix, never
+    # deleted here and left out of the budget
+    report.foreign = [
+        o.name
+        for o, h in zip(listed, heads)
+        if h.refused is not None and bytes(h.refused[: len(MAGIC)]) != MAGIC
+    ]
     left = set(report.foreign) | set(blank)
     objects = [o for o in listed if o.name not in left]
-    created = {o.name: (h.ctime if h is not None and h.ctime else o.mtime) for o, h in zip(listed, headers)}
+    created: dict[str, float | None] = {
+        o.name: (h.header.ctime if h.header is not None and h.header.ctime else o.mtime or None)
+        for o, h in zip(listed, heads)
+    }
+    report.undated = [o.name for o in objects if created[o.name] is None]
     report.before_objects = len(objects)
     report.before_bytes = sum(o.size for o in objects)
     now = time.time()
-    oldest_first = sorted(objects, key=lambda o: created[o.name])
+    made = {name: now if t is None else t for name, t in created.items()}  # undated: as if made now
+    oldest_first = sorted(objects, key=lambda o: made[o.name])
     doomed: list[ObjectInfo] = []
     if older_than_s is not None:
-        doomed = [o for o in oldest_first if now - created[o.name] > older_than_s]
+        doomed = [o for o in oldest_first if created[o.name] is not None and now - made[o.name] > older_than_s]
     remaining = report.before_bytes - sum(o.size for o in doomed)
     if max_bytes is not None:
         chosen = {o.name for o in doomed}
@@ -322,11 +387,7 @@ async def gc_store(
     if not dry_run:
         kept: set[str] = set()
         for start in range(0, len(doomed), 500):
-            batch = [o.name for o in doomed[start : start + 500]]
-            gone = await backend.delete_many(batch)
-            missed = [n for n, g in zip(batch, gone) if not g]  # absent already, or not deletable?
-            if missed:
-                kept.update(n for n, there in zip(missed, await backend.contains_many(missed)) if there)
+            kept.update((await delete_checked(backend, [o.name for o in doomed[start : start + 500]]))[1])
         report.not_deleted = [o.name for o in doomed if o.name in kept]
         doomed = [o for o in doomed if o.name not in kept]
     collect = getattr(backend, "collect_garbage", None)  # backend-internal leftovers (Redis parts)

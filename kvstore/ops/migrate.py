@@ -6,18 +6,23 @@ internals (only the public Backend API), printing (the CLI renders `MigrationRep
 For each source object (listed, filtered by prefix / namespace / model):
 
 1. done already?  Names in the journal whose object the destination still has are
-   skipped without reading.  A destination object not in the journal (a run killed
-   between write and journal) is read and checked against the source header instead
-   of being copied again.
+   skipped without reading, except with `delete_source`: a source goes only once its
+   copy is proven, so those are read as in 2 and checked as below.  A destination
+   object not in the journal (a run killed between write and journal) is read whole
+   and checked (checksum, key, the source's checksum, and without recoding the
+   source's size) instead of being copied again; one that fails is copied again.
 2. read the source frame and verify it (checksum).  A corrupt source object is
    reported and skipped, never copied (and never deleted).
 3. optionally recode the payload (``raw`` ↔ ``cachegen``), keeping the key; the new
    frame records the source checksum in ``meta.source_csum``.
 4. write, read back and verify the destination frame and append the name to the journal.
-5. with `delete_source`, once every object has been through 1-4: read the frame header
-   of each object written (or found done) back from the destination and the source
-   again, and delete only the source objects whose destination copy is still there and
-   still matches; one gone or changed is reported in ``lost`` and its source is kept.
+5. with `delete_source`, once every object has been through 1-4: make the copies of
+   exactly those names durable (`Backend.make_durable`: an earlier run may have
+   written them with syncing off), read the frame header of each back from the
+   destination and the source again, and delete only the source objects whose
+   destination copy is still there and still matches; one gone or changed is reported
+   in ``lost`` and its source is kept; a source delete that failed (or is not known
+   to have happened) is reported in ``not_deleted``.
    A destination that says it may drop what it holds (`Backend.retention_risks`: a byte
    budget, a TTL, an evicting Redis) is refused before anything is copied, and so is
    one that is the source under another URL (a path through a link, a host or a
@@ -49,7 +54,7 @@ from kvstore.backends.base import redact_url
 from kvstore.buffers import BufferPool
 from kvstore.frame import FrameError, FrameHeader, read_header
 from kvstore.keys import PROBE_PREFIX, ChunkKey, InvalidKeyError, listing_prefix, printable_name
-from kvstore.ops.inspect import read_headers
+from kvstore.ops.inspect import delete_checked, read_headers
 from kvstore.options import kvstore_home, option_int
 from kvstore.tier import check_frame, transcode
 
@@ -112,12 +117,13 @@ class MigrationReport:
     corrupt: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     lost: list[str] = field(default_factory=list)  # written, then gone or changed in dst: source kept
+    not_deleted: list[str] = field(default_factory=list)  # copy proven, but the source delete failed
     unlisted: list[tuple[str, str]] = field(default_factory=list)  # (what, why) not listed
     seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return not self.failed and not self.lost
+        return not self.failed and not self.lost and not self.not_deleted
 
     @property
     def mib_s(self) -> float:
@@ -290,6 +296,7 @@ async def migrate(
                 "--delete-source"
             )
     t0 = time.perf_counter()
+    deleting = opts.delete_source and not opts.dry_run
     report = MigrationReport(src=redact_url(src.url), dst=redact_url(dst.url), dry_run=opts.dry_run)
     if objects is None:
         objects = await list_matching(src, opts)
@@ -304,9 +311,10 @@ async def migrate(
     # sources to delete once the run is over and their copies are checked again (step 5)
     settled: list[ObjectInfo] = []
 
-    # names the journal says are done: skip those the destination still has
+    # names the journal says are done: skip those the destination still has (unless
+    # their sources are to go: then each copy is read and proven first, in copy_object)
     todo = objects
-    journaled = [o for o in objects if o.name in journal.done]
+    journaled = [] if deleting else [o for o in objects if o.name in journal.done]
     if journaled:
         present = await dst.contains_many([o.name for o in journaled])
         gone = {o.name for o, p in zip(journaled, present) if not p}
@@ -365,8 +373,9 @@ async def migrate(
             )
             report.corrupt.append(name)
             return
-        if await _done_in_destination(name, frame.header, alloc):
-            journal.add(name)
+        if await _done_in_destination(name, frame.header, raw.nbytes, alloc):
+            if name not in journal.done:
+                journal.add(name)
             report.already_done += 1
             settled.append(info)
             return
@@ -386,17 +395,31 @@ async def migrate(
         settled.append(info)
 
     async def _done_in_destination(
-        name: str, src_header: FrameHeader, alloc: Callable[[int], memoryview]
+        name: str, src_header: FrameHeader, src_size: int, alloc: Callable[[int], memoryview]
     ) -> bool:
+        """Whether the destination holds a proven copy of `name`: read whole, its frame
+        checked (checksum, key), a copy of the source's (its checksum; without
+        recoding, its size too). One that is not is logged and copied again."""
         if not (await dst.contains_many([name]))[0]:
             return False
         (have,) = await dst.get_many([name], alloc)
         if have is None:
             return False
         try:
-            return _matches_source((await check_frame(have, name)).header, src_header, opts.recode)
-        except FrameError:
-            return False
+            header = (await check_frame(have, name)).header
+        except FrameError as exc:
+            why = f"corrupt ({type(exc).__name__}: {exc})"
+        else:
+            if not _matches_source(header, src_header, opts.recode):
+                why = "not a copy of the source's (another checksum)"
+            elif opts.recode is None and have.nbytes != src_size:
+                why = f"{have.nbytes} bytes, the source's {src_size}"
+            else:
+                return True
+        log.warning(
+            "kvstore migrate: the destination's %s is %s; copying it again", printable_name(name), why
+        )
+        return False
 
     async def _verify_written(name: str, csum: int, alloc: Callable[[int], memoryview]) -> bool:
         (back,) = await dst.get_many([name], alloc)
@@ -439,7 +462,15 @@ async def migrate(
             )
             report.lost.append(name)
         if keep:
-            report.deleted += sum(await src.delete_many(keep))
+            done, stayed = await delete_checked(src, keep)
+            report.deleted += sum(done)
+            for name in stayed:
+                log.error(
+                    "kvstore migrate: the source's %s was not deleted (or is not known to be), though its copy "
+                    "is proven; rerun to delete it",
+                    printable_name(name),
+                )
+            report.not_deleted.extend(stayed)
 
     async def worker() -> None:
         while True:
@@ -456,9 +487,9 @@ async def migrate(
 
     try:
         await asyncio.gather(*(worker() for _ in range(opts.concurrency)))
-        if opts.delete_source and not opts.dry_run:
-            try:  # (a disk store's renames, Redis's append-only file: on the disk before any source goes)
-                await dst.make_durable()
+        if deleting:
+            try:  # (a disk store's files and renames, Redis's append-only file: on the disk before any source goes)
+                await dst.make_durable([o.name for o in settled])
             except (OSError, ValueError) as exc:
                 raise ValueError(
                     f"--delete-source stopped before deleting anything: {redact_url(dst.url)} could not make "

@@ -347,3 +347,44 @@ def test_stat_counts_misplaced_and_resized_frames_unreadable_and_reads_long_head
     code, out = run("stat", tmp_path.as_uri(), "--json")
     st = json.loads(out.splitlines()[0])
     assert code == 1 and st["unreadable"] == 2 and st["by_codec"]["raw"]["objects"] == 5
+
+
+async def test_gc_never_takes_a_failed_header_read_for_damage(redis_url) -> None:  # type: ignore[no-untyped-def]
+    """A header read that fails (a timeout, a stall) is no damage: on Redis (no
+    modification time) such a fresh object read its frame magic on a later read, was
+    classed a damaged frame aged from the epoch, and any --older-than deleted it. Only
+    bytes read and refused are damage, and a damaged frame with no time to age it by is
+    not the oldest: --older-than leaves it, --max-bytes takes it last."""
+    from kvstore.backends import open_backend
+    from kvstore.backends import redis_layout as layout
+    from kvstore.ops.inspect import HEAD_BYTES, gc_store
+
+    b = open_backend(redis_url())
+    tier = Tier(b)
+    names = [ChunkKey("m", 1, 0, i).object_name() for i in range(3)]
+    await tier.put_many([(n, torch.full((64,), float(i))) for i, n in enumerate(names)])
+    real = b.read_heads
+    failed = []
+
+    async def read_heads(ns, nbytes):  # type: ignore[no-untyped-def]
+        got = await real(ns, nbytes)
+        if nbytes == HEAD_BYTES and names[1] in ns and not failed:  # the first header read of it fails
+            failed.append(names[1])
+            return [None if n == names[1] else g for n, g in zip(ns, got)]
+        return got
+
+    b.read_heads = read_heads  # type: ignore[method-assign]
+    report = await gc_store(b, older_than_s=3600)
+    assert failed and report.deleted == [] and report.unreadable == [] and report.undated == []
+    assert await b.contains_many(names) == [True] * 3
+
+    key = layout.data_key(b.options.prefix, names[2])
+    value = bytearray(await b.client.get(key))
+    value[8] ^= 0xFF  # inside the header, the magic intact: damaged, of unknown age
+    await b.client.set(key, bytes(value))
+    report = await gc_store(b, older_than_s=3600)
+    assert report.deleted == [] and report.undated == [names[2]]
+    size = len(value)
+    report = await gc_store(b, max_bytes=2 * size)  # one object over the budget: the oldest dated one
+    assert report.deleted == [names[0]]
+    await tier.close()

@@ -507,3 +507,69 @@ async def test_a_rerun_with_delete_source_deletes_what_an_earlier_run_copied(tmp
     assert (again.copied, again.already_done, again.deleted, again.lost) == (1, 5, 6, [])
     assert await src.contains_many(list(data)) == [False] * 6
     await assert_same(dst_url, data)
+
+
+async def test_delete_source_proves_each_journaled_copy_before_deleting_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rerun with --delete-source read nothing of what its journal said was done: a
+    copy truncated since (a torn file, a disk error) cost its source. Now each copy is
+    read whole and checked (checksum, key, size) first: a bad one is copied again,
+    and a source whose copy cannot be made good is kept and the run fails."""
+    src_url, dst_url = (tmp_path / "src").as_uri(), (tmp_path / "dst").as_uri()
+    data = await fill(src_url, 3)
+    first = await migrate(open_backend(src_url), open_backend(dst_url), MigrateOptions(journal=tmp_path / "j"))
+    assert first.copied == 3
+    torn, stuck = list(data)[:2]
+    for name in (torn, stuck):
+        os.truncate(DiskBackend(tmp_path / "dst").path_of(name), 5000)
+    dst = open_backend(dst_url)
+    real_put = dst.put_many
+
+    async def put_many(items):  # type: ignore[no-untyped-def]
+        return [False if n == stuck else (await real_put([(n, v)]))[0] for n, v in items]  # `stuck`: refused
+
+    monkeypatch.setattr(dst, "put_many", put_many)
+    src = open_backend(src_url)
+    again = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+    assert (again.copied, again.already_done, again.deleted, again.failed) == (1, 1, 2, [stuck])
+    assert not again.ok
+    assert await src.contains_many(list(data)) == [n == stuck for n in data]  # its copy is torn: kept
+    await assert_same(dst_url, {n: t for n, t in data.items() if n != stuck})  # the torn one made good
+
+
+async def test_delete_source_syncs_copies_an_unsynced_run_left_before_deleting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A first run into the destination with fsync=false leaves its copies in the page
+    cache; a later --delete-source run (fsync on) found them in place and deleted their
+    sources having synced only directories. Now each such copy's file is synced before
+    any source goes."""
+    src_url, dst_dir = (tmp_path / "src").as_uri(), tmp_path / "dst"
+    data = await fill(src_url, 3)
+    first = await migrate(
+        open_backend(src_url), open_backend(dst_dir.as_uri() + "?fsync=false"), MigrateOptions(journal=tmp_path / "j")
+    )
+    assert first.copied == 3
+    synced: set[tuple[int, int]] = set()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        synced.add((st.st_dev, st.st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    src, dst = open_backend(src_url), DiskBackend(dst_dir)
+    real_delete = src.delete_many
+
+    async def delete_many(names):  # type: ignore[no-untyped-def]
+        for n in names:
+            st = dst.path_of(n).stat()
+            assert (st.st_dev, st.st_ino) in synced, f"{n}: its copy was not synced before its source went"
+        return await real_delete(names)
+
+    monkeypatch.setattr(src, "delete_many", delete_many)
+    report = await migrate(src, dst, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
+    assert (report.already_done, report.deleted) == (3, 3)
+    await assert_same(dst_dir.as_uri(), data)

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from kvstore.backends import open_backend
+from kvstore.frame import encode_frame
 from kvstore.testing.fault_proxy import Fault, FaultProxy
 from kvstore.testing.seaweed import SeaweedS3, weed_binary
 from tests.support.required import SEAWEED_INSTALL, require
@@ -161,3 +162,52 @@ async def test_server_killed_mid_batch_then_restarted_backend_recovers(env, serv
     assert bytes(await b.get("c/5")) == blobs["c/5"]
     assert b.breaker.state.value == "closed"
     await b.close()
+
+
+async def test_gc_never_counts_a_failed_delete_as_done(env, proxy):
+    """The server answers 500 from the delete on: the delete's own existence check
+    failed, so nothing was deleted, then gc's lookup answered "not there" and the objects
+    were reported deleted. A failed delete is counted and gc reports them not deleted."""
+    from kvstore.ops.inspect import gc_store
+
+    async with open_backend(proxied_url(proxy, "gc-fault", max_attempts=2, breaker_failures=100)) as b:
+        names = [f"g/{i}" for i in range(3)]
+        frames = [encode_frame([os.urandom(64)], codec="raw", shape=(64,), key=n) for n in names]
+        assert all(await b.put_many(list(zip(names, frames))))
+        real_delete = b.delete_many
+
+        async def fail_then_delete(ns):  # type: ignore[no-untyped-def]
+            proxy.set_mode(Fault.ERROR_500)
+            return await real_delete(ns)
+
+        b.delete_many = fail_then_delete  # type: ignore[method-assign]
+        report = await gc_store(b, older_than_s=0)
+        proxy.set_mode(None)
+        assert report.deleted == [] and sorted(report.not_deleted) == names
+        assert b.counters.delete_errors == 3
+        assert await b.contains_many(names) == [True] * 3
+
+
+def test_a_listing_that_fails_after_the_open_check_is_exit_3_with_the_fix(env, proxy, monkeypatch):
+    """The bucket answers the open check, then its listing fails: the command ended in a
+    traceback with exit 1. Now it says what to do and exits 3, as for any backend that
+    cannot be used."""
+    from click.testing import CliRunner
+
+    from kvstore.backends.s3 import S3Backend
+    from kvstore.cli.main import cli
+
+    url = proxied_url(proxy, "list-fault", max_attempts=2)
+    real_check = S3Backend.check
+
+    async def check_then_fail(self):  # type: ignore[no-untyped-def]
+        await real_check(self)
+        proxy.set_mode(Fault.ERROR_500)
+
+    monkeypatch.setattr(S3Backend, "check", check_then_fail)
+    for args in (["ls", url], ["gc", url, "--older-than", "1d"]):
+        res = CliRunner().invoke(cli, args)
+        proxy.set_mode(None)
+        assert res.exit_code == 3 and isinstance(res.exception, SystemExit), res.output
+        assert "failed part way" in res.output and "check that the endpoint answers" in res.output
+        assert "Traceback" not in res.output
