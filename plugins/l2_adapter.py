@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from lmcache.v1.memory_management import MemoryObj
 
 ADAPTER_KEYS = ("lock_ttl_s", "metrics_port", "residency")
+LOCKS_PRUNE_AT = 1 << 14  # lookup locks kept before lapsed ones are swept
 
 
 @dataclass
@@ -145,7 +147,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._done_stores: dict[L2TaskId, L2StoreResult] = {}
         self._done_lookups: dict[L2TaskId, Bitmap] = {}
         self._done_loads: dict[L2TaskId, Bitmap] = {}
-        self._locks: Counter[str] = Counter()
+        # name -> (lookup locks held, until when): a lock whose lookup LMCache abandoned
+        # (an aborted request never unlocks) lapses with its pin
+        self._locks: dict[str, tuple[int, float]] = {}
         self._sizes: dict[str, int] = {}  # names this adapter knows are stored -> bytes
         self._storing: Counter[str] = Counter()  # names being stored now (the start's listing leaves them)
         self._keys: dict[str, ObjectKey] = {}
@@ -422,10 +426,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
         hits = [n is not None and next(found) for n in names]
         held = [n for n, h in zip(names, hits) if h and n is not None]
         if held:
+            now = time.monotonic()
+            until = now + self.config.lock_ttl_s
             with self._lock:
+                locks = self._locks
                 for n in held:
-                    self._locks[n] += 1
+                    count, lapses = locks.get(n, (0, 0.0))
+                    locks[n] = ((count if lapses > now else 0) + 1, until)
                 self.runtime.store.pin(held, ttl=self.config.lock_ttl_s)
+                if len(locks) > LOCKS_PRUNE_AT:
+                    self._locks = {k: v for k, v in locks.items() if v[1] > now}
         return hits
 
     async def _finish_lookup(self, tid: L2TaskId, names: list[str | None]) -> None:
@@ -457,14 +467,21 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def submit_unlock(self, keys: list[ObjectKey]) -> None:
         """Release one lookup lock per key; the last release unpins (never fails)."""
         free: list[str] = []
+        now = time.monotonic()
         with self._lock:
+            locks = self._locks
             for name in self._names(keys):
-                if name is None or self._locks[name] <= 0:
+                entry = locks.get(name) if name is not None else None
+                if entry is None or name is None:
                     continue
-                self._locks[name] -= 1
-                if self._locks[name] == 0:
-                    del self._locks[name]
+                count, lapses = entry
+                if lapses <= now:  # lapsed with its pin (a lookup never unlocked)
+                    del locks[name]
+                elif count <= 1:
+                    del locks[name]
                     free.append(name)
+                else:
+                    locks[name] = (count - 1, lapses)
             if free and not self._closed:  # pins may change on any thread: no wake-up of the loop
                 self.runtime.store.unpin(free)
 
@@ -598,6 +615,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
             made = self._lmcache_tags[shared] = self._tags[shared].to_lmcache()
         return made
 
+    def _locked(self) -> int:
+        """Names held by lookup locks that have not lapsed."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for _, lapses in self._locks.values() if lapses > now)
+
     def report_status(self) -> dict:
         from dataclasses import asdict
 
@@ -608,7 +631,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             "breakers": [b.state.value for b in store.breakers],
             "config": self.config.store.describe(),
             "counters": asdict(self.counters),
-            "locked": len(self._locks),
+            "locked": self._locked(),
             "memory_tags": {"segment": self.tags.segment, "residency": self.tags.residency},
             "tiers": [
                 {"name": t.name, "hits": t.hits, "bytes_read": t.bytes_read, "objects": t.objects}

@@ -507,3 +507,62 @@ def test_the_file_system_of_a_path_is_read_from_the_mount_table(tmp_path: Path) 
     shm = [line.split()[2] for line in Path("/proc/mounts").read_text().splitlines() if line.split()[1] == "/dev/shm"]
     if shm == ["tmpfs"]:
         assert local_file_system(Path("/dev/shm/kvstore-test")) is True
+
+
+@pytest.mark.parametrize("route", ["frame", "streamed"])
+async def test_an_object_over_the_readers_limit_is_a_counted_miss_left_in_place(
+    tmp_path: Path, route: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Written by a store with a larger max_object_size: a reader with a smaller one
+    refuses it unread (counted in `rejected`, logged with the option to raise) and
+    leaves it where it is; it was moved into quarantine/, out of the writer's service."""
+    big, small = names(2)
+    writer = open_backend(f"{tmp_path.as_uri()}?max_object_size=8MiB")
+    assert await writer.put_many([(big, blob(1, 2 << 20)), (small, blob(2))]) == [True, True]
+    reader = open_backend(f"{tmp_path.as_uri()}?max_object_size=1MiB")
+    if route == "frame":
+        got = await reader.get_many([big, small])
+        assert got[0] is None and bytes(got[1]) == blob(2)
+    else:
+        from kvstore.frame_sink import FrameSink
+
+        verdicts = await reader.read_streamed([big], lambda n: FrameSink(n, lambda h: None))
+        assert verdicts == [None]
+    c = reader.stats().counters
+    assert (c.rejected, c.quarantined) == (1, 0)
+    assert "raise max_object_size" in caplog.text
+    assert not any((tmp_path / "quarantine").iterdir())
+    assert bytes(await writer.get(big)) == blob(1, 2 << 20)
+
+
+async def test_a_write_the_caller_stopped_waiting_for_never_lands_torn(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """A store call cancelled (its caller's deadline) while a worker thread writes the
+    caller's tensor: the call returns only once that write is over, so a caller reusing
+    its buffer afterwards cannot make a torn object land under a valid checksum (it was
+    hashed as it was written); what is read back is the tensor as it was stored."""
+    import time as _time
+
+    import kvstore.backends.disk as disk_module
+    from kvstore.tiered import TieredStore
+
+    real = disk_module.pwrite_crc32c
+
+    def slow(fd, src, offset, value=0, block=1 << 20):  # type: ignore[no-untyped-def]
+        view = memoryview(src).cast("B")
+        for a in range(0, view.nbytes, 1 << 20):
+            _time.sleep(0.05)  # a slow device: 50 ms a MiB
+            value = real(fd, view[a : a + (1 << 20)], offset + a, value)
+        return value
+
+    monkeypatch.setattr(disk_module, "pwrite_crc32c", slow)
+    store = TieredStore.from_urls([f"file://{tmp_path}?fsync=false"], discover=True)
+    name = "t/m/raw-1-0/000001"
+    t = torch.full((1 << 20,), 1.0)  # 4 MiB: hashed as it is written
+    with pytest.raises(asyncio.TimeoutError):
+        await asyncio.wait_for(store.put_many([(name, t)]), 0.05)
+    t.fill_(7.0)  # the caller reuses its buffer
+    await asyncio.sleep(0.3)
+    (got,) = await store.get_many([name])
+    assert got is None or torch.equal(got, torch.full((1 << 20,), 1.0))
+    assert store.tiers[0].counters.corrupt == 0
+    await store.close()

@@ -127,6 +127,25 @@ def test_lookups_are_answered_at_submit_and_their_locks_hold_under_pressure(make
     ad.submit_unlock(keys)
 
 
+def test_a_lookup_lock_never_released_lapses_with_its_pin(make_adapter, tmp_path):
+    """LMCache leaves the locks of an aborted request's lookup unreleased: such a lock
+    lapses after ``lock_ttl_s`` with its pin, so a later lookup's one unlock frees the
+    chunk (it is not held by a count that never reaches zero)."""
+    ad = make_adapter([f"file://{tmp_path}/d?fsync=false"], lock_ttl_s=0.3)
+    keys = [okey(1)]
+    assert store(ad, keys, [kv(1)])
+    assert lookup(ad, keys) == [True]  # an aborted request: never unlocked
+    assert ad.report_status()["locked"] == 1
+    time.sleep(0.4)
+    assert ad.report_status()["locked"] == 0
+    assert lookup(ad, keys) == [True]
+    name = ad._names(keys)[0]
+    assert name is not None and name in ad.runtime.store.inflight  # pinned by the lookup
+    ad.submit_unlock(keys)
+    assert ad.report_status()["locked"] == 0
+    assert name not in ad.runtime.store.inflight  # the one unlock freed it
+
+
 def test_the_start_listing_leaves_chunks_being_stored_to_their_store(make_adapter, tmp_path):
     """LMCache's usage counts each chunk once, at the size its store gave: a chunk whose
     file the start-up listing meets while this adapter is storing it is counted by the

@@ -1031,3 +1031,16 @@ async def test_a_store_call_cancelled_before_its_write_landed_promises_nothing()
     (got,) = await store.get_many([name(1)])
     assert got is not None and torch.equal(got, chunk(1))
     await store.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0.5, 5.0, 20.0])
+def test_a_store_task_outlasts_its_tiers_write_deadline(timeout_s: float) -> None:
+    """The deadline of a store task (L2 adapter, in-process runtime) leaves the tiers'
+    own write deadline room to fire first: a tier too slow to write opens its breaker
+    (later stores skip it) instead of every store task timing out."""
+    from kvstore.store_config import StoreConfig
+    from kvstore.tiered.guard import write_deadline
+
+    cfg = StoreConfig.from_mapping({"tiers": ["mem://"], "timeout_s": timeout_s}, prefix="")
+    tier_write = write_deadline(cfg.timeout_s / 2)
+    assert tier_write is not None and cfg.store_deadline_s() >= tier_write + 15
