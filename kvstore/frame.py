@@ -48,7 +48,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -362,17 +362,3 @@ def decode_frame(
         raise ChecksumMismatchError("payload fails its checksum")
     return Frame(header, payload)
 
-
-def refused_as(name: str) -> Callable[[memoryview], bool]:
-    """A test of an object read back as `name`: True while `decode_frame` refuses it (what
-    `kvstore.backends.base.Defect.fails` takes, where the bytes found defective were
-    streamed away and only the check they failed is left)."""
-
-    def refused(raw: memoryview) -> bool:
-        try:
-            decode_frame(raw, key=name)
-        except FrameError:
-            return True
-        return False
-
-    return refused

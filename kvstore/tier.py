@@ -27,6 +27,7 @@ from kvstore import checksum
 from kvstore import codec as codecs
 from kvstore.backends import Alloc, Backend, open_backend
 from kvstore.backends.base import Capabilities, Defect, redact_url
+from kvstore.backends.stream import wait_out
 from kvstore.buffers import BufferPool
 from kvstore.codec.base import CodecUnavailableError
 from kvstore.frame import Frame, FrameError, decode_frame, encode_frame, seal_frames
@@ -334,7 +335,14 @@ class Tier:
                         continue
                 decoder = self.decoder(frame.header.codec)
                 if frame.header.codec != "raw":  # (CacheGen: a worker thread, the loop serves on)
-                    tensor = await asyncio.to_thread(decoder.decode_payload, frame.payload, frame.header, target)
+                    decoding = asyncio.ensure_future(
+                        asyncio.to_thread(decoder.decode_payload, frame.payload, frame.header, target)
+                    )
+                    try:
+                        tensor = await asyncio.shield(decoding)
+                    except asyncio.CancelledError:  # it writes the caller's tensor, reads the read buffer:
+                        await wait_out(decoding)  # both are free only once it is done
+                        raise
                 else:
                     tensor = decoder.decode_payload(frame.payload, frame.header, target)
                 if target is None and self.capabilities.in_memory and frame.header.codec == "raw":

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple, Union
 from kvstore.backends.base import Defect
 from kvstore.backends.stream import wait_out
 from kvstore.buffers import BufferPool
-from kvstore.frame import FrameHeader, refused_as
+from kvstore.frame import FrameError, FrameHeader, decode_frame
 from kvstore.keys import printable_name
 from kvstore.shared_jobs import run_shared
 
@@ -42,6 +42,31 @@ Out = Union["torch.Tensor", Callable[[FrameHeader], "torch.Tensor | None"], None
 
 # outcome of reading one name (`ReadResult.status`)
 HIT, GONE, DECLINED = 0, 1, 2  # DECLINED: stored, but the caller did not take it
+
+
+def refused_as(name: str) -> Callable[[memoryview], bool]:
+    """The checks a streamed read makes of object `name`, on the object read back whole:
+    True while it fails one (`kvstore.backends.base.Defect.fails`, where the bytes found
+    defective were streamed away): the frame (`decode_frame`: key, length, checksum),
+    and for a raw payload its length against its header's shape and dtype."""
+
+    def refused(raw: memoryview) -> bool:
+        from kvstore.codec.base import dtype_from_name
+
+        try:
+            frame = decode_frame(raw, key=name)
+            h = frame.header
+            if h.codec == "raw":
+                numel = 1
+                for d in h.shape:
+                    numel *= d
+                if numel * dtype_from_name(h.dtype).itemsize != h.plen:
+                    return True
+        except (FrameError, ValueError, TypeError, KeyError):
+            return True
+        return False
+
+    return refused
 
 
 class ReadResult(NamedTuple):

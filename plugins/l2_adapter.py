@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import threading
 import time
 from collections import Counter
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
 
 ADAPTER_KEYS = ("lock_ttl_s", "metrics_port", "residency")
 LOCKS_PRUNE_AT = 1 << 14  # lookup locks kept before lapsed ones are swept
+UNCOLLECTED_MOST = 1 << 16  # task results LMCache has not collected, kept before the oldest go
 
 
 @dataclass
@@ -200,7 +202,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return out
 
     async def _bounded(self, coro: Coroutine[Any, Any, Any], timeout: float, what: str) -> Any:
-        """Run `coro` under `timeout`; None on timeout or error (counted, breaker told)."""
+        """Run `coro` under `timeout`; None on timeout or error (counted; the tiers' breakers
+        are told by their own guards)."""
         try:
             result = await within(coro, timeout)
         except asyncio.TimeoutError:
@@ -273,6 +276,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         closed the event fds: under the lock it closes them under)."""
         with self._lock:
             done[tid] = result
+            if len(done) > UNCOLLECTED_MOST:  # results of tasks LMCache gave up on (an aborted request)
+                for old in list(itertools.islice(done, len(done) - UNCOLLECTED_MOST // 2)):
+                    del done[old]
             if not self._efds_closed:
                 efd.notify()
 

@@ -189,15 +189,28 @@ def _write_sealing(fd: int, frame: UnsealedFrame) -> None:
         done += n
 
 
+class _Abandoned(Exception):
+    """The caller stopped waiting for a write before it was published: not published (its
+    buffers may have been reused under it)."""
+
+
 @aiofiles.os.wrap
 def _write_object(
-    path: Path, name: str, parts: list[memoryview], size: int, fsync: bool, unsealed: UnsealedFrame | None = None
+    path: Path,
+    name: str,
+    parts: list[memoryview],
+    size: int,
+    fsync: bool,
+    unsealed: UnsealedFrame | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
     """Publish one object atomically: temp file beside it, fallocate, writev, fsync, rename.
 
     An `unsealed` frame (whose parts `parts` are) is hashed as it is written when this
     write can claim it, else written once sealed.  The shard directory (and the store's,
-    if it was removed while running) is made here.
+    if it was removed while running) is made here.  With `stop` set by the time the
+    bytes are written, the file is removed unpublished (`_Abandoned`): the bytes written
+    were read from buffers the caller may have reused meanwhile.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{os.getpid()}-{next(_ids)}.tmp"
@@ -223,6 +236,8 @@ def _write_object(
             os.fsync(fd)
         os.close(fd)
         fd = -1
+        if stop is not None and stop.is_set():
+            raise _Abandoned()
         if path.name.startswith("~"):
             Path(f"{path}.name").write_text(name, "utf-8")
         os.replace(tmp, path)
@@ -432,6 +447,7 @@ class DiskBackend(Backend):
         self.mmap = mmap
         self._sem = asyncio.Semaphore(concurrency)
         self._write_done = asyncio.Condition()
+        self._abandoned: set[asyncio.Future[list[bool]]] = set()  # writes whose callers stopped waiting
         self._touches: dict[str, float] = {}
         self._published: list[tuple[str, int, str]] = []
         self._adopt: set[str] = set()
@@ -750,6 +766,8 @@ class DiskBackend(Backend):
     async def close(self) -> None:
         if self._closed:
             return
+        if self._abandoned:  # writes whose callers stopped waiting: their bookkeeping first
+            await asyncio.wait(set(self._abandoned), timeout=30)
         await self.flush()
         self._closed = True
         if self._watch is not None:
@@ -759,19 +777,21 @@ class DiskBackend(Backend):
     # ---- put ----------------------------------------------------------------
     async def put_many(self, items: Sequence[tuple[str, Value]]) -> list[bool]:
         """Each object written beside its place and renamed into it, on worker threads.  A
-        caller that stops waiting (a deadline) waits for the writes already begun (they
-        read its buffers: a buffer reused meanwhile would land torn, under a checksum
-        computed as it was written); writes not yet begun do not begin."""
-        stop = asyncio.Event()
+        caller that stops waiting (a deadline) returns at once; the writes it began are
+        not published (`_Abandoned`: their worker threads may go on reading its buffers,
+        which it may reuse, so what they wrote could be torn under a checksum computed
+        as it was written), and writes not yet begun do not begin."""
+        stop = threading.Event()
         work = asyncio.gather(*(self._put_one(n, v, stop) for n, v in items))
         try:
             return list(await asyncio.shield(work))
         except asyncio.CancelledError:
             stop.set()
-            await wait_out(work)
+            self._abandoned.add(work)  # (its bookkeeping ends in the background; `close` waits)
+            work.add_done_callback(self._abandoned.discard)
             raise
 
-    async def _put_one(self, name: str, value: Value, stop: asyncio.Event | None = None) -> bool:
+    async def _put_one(self, name: str, value: Value, stop: threading.Event | None = None) -> bool:
         try:
             check_object_name(name)
         except InvalidKeyError as exc:
@@ -800,7 +820,10 @@ class DiskBackend(Backend):
                 await self._index_call(self.index.unreserve, name, writer)
                 return False
             try:
-                await _write_object(self.path_of(name), name, parts, size, self.fsync, unsealed)
+                await _write_object(self.path_of(name), name, parts, size, self.fsync, unsealed, stop)
+            except _Abandoned:
+                await self._index_call(self.index.unreserve, name, writer)
+                return False
             except OSError as exc:
                 self.counters.put_errors += 1
                 fatal = exc.errno in (errno.ENOSPC, errno.EACCES, errno.EROFS)

@@ -333,13 +333,25 @@ class Mover:
             if p.inflight.stale(ticket):
                 return None
             self.copying_into[dst_i][name] += 1  # (a write of the name anew there waits: `settled`)
+            undo = put = False
             try:
                 ok = (await dst.put_frames([(name, parts)]))[0]  # every backend is done with the buffer here
+                put = True
             finally:
+                if put and p.inflight.stale(ticket):
+                    # written anew while this copy wrote (a write that waited past its bound):
+                    # the old bytes must not stay where the books count the new ones; the
+                    # delete is marked before the write is woken, so it lands first
+                    undo = True
+                    self._mark([(dst_i, [name])])
                 self.copying_into[dst_i][name] -= 1
                 if self.copying_into[dst_i][name] <= 0:
                     del self.copying_into[dst_i][name]
                 self._wake()
+            if undo:
+                p.metrics.errors.labels("copy of a name written anew", p.labels[dst_i]).inc()
+                await self._send([(dst_i, [name])], guarded=False, timed=False)
+                return None
         finally:
             for buf in taken:
                 p.pool.give(buf)

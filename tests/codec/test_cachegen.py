@@ -299,3 +299,38 @@ async def test_a_cachegen_tier_encodes_and_decodes_on_worker_threads(monkeypatch
     max_error_ok(x, y, CacheGenCodec())
     await store.close()
     assert ran == {"encode": {False}, "decode": {False}}
+
+
+async def test_a_cancelled_read_from_a_cachegen_tier_returns_once_its_decode_is_over(monkeypatch):
+    """A read decoding CacheGen frames into the caller's tensors on a worker thread, and
+    cancelled (its deadline): it returns only once the decode has stopped writing there,
+    so the caller can reuse its buffer at once."""
+    import asyncio
+    import threading
+    import time as _time
+
+    from kvstore.backends import open_backend
+    from kvstore.tier import Tier
+
+    decode = CacheGenCodec.decode_payload
+    began, ended = threading.Event(), []
+
+    def slow_decode(self, *a, **kw):  # type: ignore[no-untyped-def]
+        began.set()
+        _time.sleep(0.3)
+        out = decode(self, *a, **kw)
+        ended.append(_time.monotonic())
+        return out
+
+    x = kv_like((2, 8, 256, 128))
+    async with Tier(open_backend("mem://"), codec="cachegen") as tier:
+        assert await tier.put_many([("ns/m/f-1-0/1", x)]) == [True]
+        monkeypatch.setattr(CacheGenCodec, "decode_payload", slow_decode)
+        out = torch.zeros_like(x)
+        reading = asyncio.ensure_future(tier.get_many(["ns/m/f-1-0/1"], out=[out]))
+        assert await asyncio.to_thread(began.wait, 5)
+        reading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reading
+        returned = _time.monotonic()
+        assert ended and ended[0] <= returned

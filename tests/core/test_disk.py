@@ -536,18 +536,22 @@ async def test_an_object_over_the_readers_limit_is_a_counted_miss_left_in_place(
 
 
 async def test_a_write_the_caller_stopped_waiting_for_never_lands_torn(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    """A store call cancelled (its caller's deadline) while a worker thread writes the
-    caller's tensor: the call returns only once that write is over, so a caller reusing
-    its buffer afterwards cannot make a torn object land under a valid checksum (it was
-    hashed as it was written); what is read back is the tensor as it was stored."""
+    """A store call cancelled (its caller's deadline) while a worker thread hashes and
+    writes the caller's tensor: the call returns at once, and that write is not
+    published (the thread went on reading a buffer the caller reused: a torn object
+    under a checksum computed as it was written); a later read is a miss, never the
+    torn bytes, and the store is not left waiting on the device."""
+    import threading
     import time as _time
 
     import kvstore.backends.disk as disk_module
     from kvstore.tiered import TieredStore
 
     real = disk_module.pwrite_crc32c
+    began = threading.Event()
 
     def slow(fd, src, offset, value=0, block=1 << 20):  # type: ignore[no-untyped-def]
+        began.set()
         view = memoryview(src).cast("B")
         for a in range(0, view.nbytes, 1 << 20):
             _time.sleep(0.05)  # a slow device: 50 ms a MiB
@@ -558,11 +562,17 @@ async def test_a_write_the_caller_stopped_waiting_for_never_lands_torn(tmp_path,
     store = TieredStore.from_urls([f"file://{tmp_path}?fsync=false"], discover=True)
     name = "t/m/raw-1-0/000001"
     t = torch.full((1 << 20,), 1.0)  # 4 MiB: hashed as it is written
-    with pytest.raises(asyncio.TimeoutError):
-        await asyncio.wait_for(store.put_many([(name, t)]), 0.05)
-    t.fill_(7.0)  # the caller reuses its buffer
-    await asyncio.sleep(0.3)
+    put = asyncio.ensure_future(store.put_many([(name, t)]))
+    assert await asyncio.to_thread(began.wait, 5)
+    cancelled_at = asyncio.get_running_loop().time()
+    put.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await put
+    assert asyncio.get_running_loop().time() - cancelled_at < 0.1  # not waiting on the device
+    t.fill_(7.0)  # the caller reuses its buffer while the thread still reads it
+    await asyncio.sleep(0.4)
     (got,) = await store.get_many([name])
-    assert got is None or torch.equal(got, torch.full((1 << 20,), 1.0))
+    assert got is None
     assert store.tiers[0].counters.corrupt == 0
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p.name.endswith(".tmp")]
     await store.close()

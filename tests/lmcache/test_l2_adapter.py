@@ -146,6 +146,22 @@ def test_a_lookup_lock_never_released_lapses_with_its_pin(make_adapter, tmp_path
     assert name not in ad.runtime.store.inflight  # the one unlock freed it
 
 
+def test_results_lmcache_never_collects_are_not_kept_forever(make_adapter, tmp_path, monkeypatch):
+    """Lookups of an aborted request finish with nobody to collect them: past a bound,
+    the oldest uncollected results go; the latest are still there to collect."""
+    import kvstore_lmcache.l2_adapter as l2
+
+    monkeypatch.setattr(l2, "UNCOLLECTED_MOST", 4)
+    ad = make_adapter([f"file://{tmp_path}/d?fsync=false"])
+    for i in range(9):
+        ad.submit_lookup_and_lock_task([okey(i)], {})
+    deadline = time.monotonic() + 10
+    while ad.counters.lookups < 9 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ad.counters.lookups == 9 and len(ad._done_lookups) <= 4
+    assert lookup(ad, [okey(100)]) == [False]  # a result still reaches its collector
+
+
 def test_the_start_listing_leaves_chunks_being_stored_to_their_store(make_adapter, tmp_path):
     """LMCache's usage counts each chunk once, at the size its store gave: a chunk whose
     file the start-up listing meets while this adapter is storing it is counted by the

@@ -1044,3 +1044,57 @@ def test_a_store_task_outlasts_its_tiers_write_deadline(timeout_s: float) -> Non
     cfg = StoreConfig.from_mapping({"tiers": ["mem://"], "timeout_s": timeout_s}, prefix="")
     tier_write = write_deadline(cfg.timeout_s / 2)
     assert tier_write is not None and cfg.store_deadline_s() >= tier_write + 15
+
+
+class NextPutHeldMemoryBackend(MemoryBackend):
+    """A memory backend whose next put, once `hold_next` is called, waits for `release`."""
+
+    def __init__(self, url: str, **kw: Any) -> None:
+        super().__init__(url, **kw)
+        self._gate: asyncio.Event | None = None
+        self.held = asyncio.Event()
+
+    def hold_next(self) -> None:
+        self._gate = self._holding = asyncio.Event()
+
+    def release(self) -> None:
+        self._holding.set()
+
+    async def put_many(self, items):  # type: ignore[no-untyped-def]
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            self.held.set()
+            await gate.wait()
+        return await super().put_many(items)
+
+
+async def test_a_promotion_landing_after_the_name_was_written_anew_does_not_stay() -> None:
+    """A promotion of the object before, still writing when the name is stored anew and
+    the new write stops waiting for it (its bound) and lands first: the promotion's old
+    bytes are taken out again, so a read is the new object or a counted miss, never
+    the object before."""
+    probe = TieredStore.from_urls(["mem://"])
+    await probe.put_many([(name(0), chunk(0))])
+    size = probe.placement.tiers[0].used
+    await probe.close()
+    hot = NextPutHeldMemoryBackend("mem://", capacity=2 * size)
+    store = TieredStore(
+        [TierSpec(Tier(hot), capacity=2 * size), TierSpec(Tier(MemoryBackend("mem://")), capacity=100 * size)],
+        tier_timeout=0.2,
+    )
+    for i in (1, 2, 3):
+        await store.put_many([(name(i), chunk(i))])
+        await store.drain()
+    x = next(name(i) for i in (1, 2, 3) if store.placement.where(name(i)) == 1)
+    hot.hold_next()  # the promotion's write into the top tier waits
+    (old,) = await store.get_many([x])
+    assert old is not None
+    await asyncio.wait_for(hot.held.wait(), 5)
+    assert await store.delete_many([x]) == [True]
+    new = torch.full((N,), -9.0)
+    assert await store.put_many([(x, new)]) == [True]  # waited 0.2 s for the promotion, then wrote
+    hot.release()
+    await store.drain()
+    (got,) = await store.get_many([x])
+    assert got is None or torch.equal(got, new)
+    await store.close()

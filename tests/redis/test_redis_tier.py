@@ -120,3 +120,20 @@ async def test_a_redis_outage_keeps_its_names_while_the_disk_copy_below_serves(r
     assert gone == [] and name in store.placement.tiers[1].resident
     assert await store.tiers[0].backend.contains_many([name]) == [name in store.placement.tiers[0].resident]
     await store.close()
+
+
+async def test_a_frame_that_disagrees_with_itself_is_quarantined_on_a_streamed_read(redis_server):
+    """A raw frame whose payload is not as long as its header's shape says (sound
+    checksum and key) is refused by a read into the caller's tensor, and taken out of
+    service: read back, it still fails that read's checks."""
+    from kvstore.frame import encode_frame
+
+    backend = RedisBackend.from_url(f"{redis_server.url}?{FAST}")
+    async with Tier(backend) as tier:
+        name = ChunkKey("m", 1, 0, 9).object_name()
+        parts = encode_frame([b"\x01" * 100], codec="raw", dtype="float32", shape=(10,), key=name)
+        r = redis.Redis(host=redis_server.host, port=redis_server.port)
+        r.set(data_key("kv:", name), b"".join(bytes(p) for p in parts))
+        assert await tier.get_many([name], out=[torch.zeros(10)]) == [None]
+        assert tier.counters.corrupt == 1
+        assert r.exists(data_key("kv:", name)) == 0
