@@ -1,0 +1,111 @@
+"""Steady-state loads through L2 adapters built once, as a running ``lmcache server`` has them.
+
+`bench_l2.py` builds a fresh adapter every round, so each round's one load also pays the
+adapter's first-use costs.  Here each adapter is built once and stores ``--chunks``
+chunks once; then every round, for each adapter in an order that rotates every round,
+one lookup-and-lock task for all the chunks, load tasks of ``--batch`` chunks into
+preallocated buffers (page-cache warm), and the unlock are timed.  The first round
+checks the bytes loaded are the bytes stored.
+
+Adapters (``--kinds``, comma-separated): ``kvstore`` (a ``file://`` tier,
+``fsync=false``), ``kvstore-pread`` (the same with ``mmap=false``: copies by ``pread``
+instead of through a mapping), ``fs_native`` (LMCache's C++ fs adapter), ``fs`` (its
+Python one).
+
+Figures: milliseconds per round (min / median / max) and, per round, each adapter's
+time ÷ kvstore's (above 1.0: kvstore faster).  ``torch.set_num_threads(1)``.
+
+Usage: ``python benchmarks/bench_l2_steady.py [--shape smollm2] [--chunks 8] [--batch 4] [--rounds 15]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+
+import torch
+from bench_l2 import SHAPES, build_adapter, kvstore_spec
+
+
+def spec(kind: str, root: Path) -> dict:
+    if kind == "kvstore":
+        return kvstore_spec([f"file://{root}/kvstore?fsync=false"])
+    if kind == "kvstore-pread":
+        return kvstore_spec([f"file://{root}/kvstore-pread?fsync=false&mmap=false"])
+    if kind in ("fs_native", "fs"):
+        return {"type": kind, "base_path": str(root / kind)}
+    raise SystemExit(f"unknown kind {kind!r}")
+
+
+def main() -> None:
+    from kvstore_lmcache.l2_sync import SyncL2, object_key
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--chunks", type=int, default=8)
+    p.add_argument("--batch", type=int, default=4, help="chunks per load task")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--kinds", default="kvstore,kvstore-pread,fs_native")
+    p.add_argument("--dir", default=None, help="where the adapters write (default: a temp dir)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    kinds = args.kinds.split(",")
+    root = Path(args.dir or tempfile.mkdtemp(prefix="bench-l2-steady-"))
+    g = torch.Generator().manual_seed(0)
+    data = [torch.randn(SHAPES[args.shape], generator=g).to(torch.bfloat16) for _ in range(args.chunks)]
+    dst = [torch.empty_like(t) for t in data]
+    keys = [object_key(i) for i in range(args.chunks)]
+    adapters = {k: build_adapter(spec(k, root)) for k in kinds}
+    syncs = {k: SyncL2(a, timeout_s=300) for k, a in adapters.items()}
+    for k, l2 in syncs.items():
+        for s in range(0, len(keys), args.batch):
+            assert l2.store(keys[s : s + args.batch], data[s : s + args.batch]), f"{k}: store failed"
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(args.rounds + 1):
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
+        for k in order:
+            l2 = syncs[k]
+            for d in dst:
+                d.zero_()
+            t0 = time.perf_counter()
+            assert all(l2.lookup(keys)), f"{k}: lookup missed"
+            for s in range(0, len(keys), args.batch):
+                assert all(l2.load(keys[s : s + args.batch], dst[s : s + args.batch])), f"{k}: load missed"
+            l2.unlock(keys)
+            took = time.perf_counter() - t0
+            if r == 0:
+                assert all(torch.equal(a, b) for a, b in zip(data, dst)), f"{k}: loaded bytes differ"
+                continue  # warm-up round
+            times[k].append(took * 1e3)
+    mib = data[0].nbytes / (1 << 20)
+    print(f"\n{args.chunks} chunks of {list(data[0].shape)} bf16 ({mib:.1f} MiB each), load tasks of "
+          f"{args.batch}, {args.rounds} rounds after a warm-up; adapters built once\n")
+    print("| adapter | ms per round min / median / max | ÷ kvstore per round min / median / max |")
+    print("|---|---|---|")
+    base = times.get("kvstore")
+    for k in kinds:
+        ts = times[k]
+        cell = f"{min(ts):.2f} / {median(ts):.2f} / {max(ts):.2f}"
+        if base is None or k == "kvstore":
+            ratio = ""
+        else:
+            rs = [t / b for t, b in zip(ts, base)]
+            ratio = f"{min(rs):.2f} / {median(rs):.2f} / {max(rs):.2f}"
+        print(f"| {k} | {cell} | {ratio} |")
+    for a in adapters.values():
+        a.close()  # type: ignore[attr-defined]
+    os._exit(0)  # LMCache's native threads
+
+
+if __name__ == "__main__":
+    main()
