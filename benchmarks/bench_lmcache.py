@@ -11,6 +11,7 @@ Configurations:
 
 * ``lmcache-disk``   LMCache's LocalDiskBackend (``LMCACHE_LOCAL_DISK``) — the baseline;
 * ``kvstore-disk``   kvstore storage plugin, one ``file://`` tier;
+* ``kvstore-disk-pread``  the same, its copies by ``pread`` (``mmap=false``) instead of through a mapping;
 * ``kvstore-disk-remote``  the same tier through the remote-connector path;
 * ``lmcache-fs``     LMCache's ``fs://`` remote connector (a file per chunk, naive serde);
 * ``lmcache-rawblock`` / ``lmcache-rawblock-uring``  LMCache's rust raw-block storage
@@ -207,6 +208,17 @@ def configs(tmp: Path, redis_url: str | None, s3=None, s3_options: str = "") -> 
                 {
                     **PLUGIN,
                     "kvstore.tiers": [f"file://{tmp / 'kv-disk'}?fsync=false"],
+                    "kvstore.timeout_s": 30,
+                }
+            ),
+        },
+        "kvstore-disk-pread": {  # the same with copies by pread instead of through a mapping
+            **base,
+            "LMCACHE_STORAGE_PLUGINS": "kvstore",
+            "LMCACHE_EXTRA_CONFIG": json.dumps(
+                {
+                    **PLUGIN,
+                    "kvstore.tiers": [f"file://{tmp / 'kv-disk-p'}?fsync=false&mmap=false"],
                     "kvstore.timeout_s": 30,
                 }
             ),
