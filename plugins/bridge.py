@@ -77,24 +77,31 @@ class InProcessBridge:
         rest = self._known_prefix(names[1:]) if len(names) > 1 else 0  # the first is held
         return names, 0, None if rest is None else 1 + rest
 
-    def lookup(self, keys: Sequence[CacheEngineKey]) -> int:
+    def lookup(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
         """How many leading chunks are held (blocking, within the deadline); none once the
-        store is closing (its reads would miss)."""
+        store is closing (its reads would miss).  With `pin` (LMCache's scheduler looks
+        up before it retrieves), those chunks are kept from eviction until LMCache unpins
+        them (or the store's pin TTL lapses)."""
         if self.runtime.closed:
             return 0
         names, n, known = self._lookup_now(keys)
         n += known if known is not None else self.runtime.call(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
-        self.runtime.note_lookup(names, n, len(keys))
+        self._found(names, n, len(keys), pin)
         return n
 
-    async def alookup(self, keys: Sequence[CacheEngineKey]) -> int:
+    async def alookup(self, keys: Sequence[CacheEngineKey], pin: bool = False) -> int:
         """`lookup` for a caller on LMCache's event loop."""
         if self.runtime.closed:
             return 0
         names, n, known = self._lookup_now(keys)
         n += known if known is not None else await self.runtime.acall(self.runtime.store.prefix_lookup(names[n:]), 0, "lookup")
-        self.runtime.note_lookup(names, n, len(keys))
+        self._found(names, n, len(keys), pin)
         return n
+
+    def _found(self, names: list[str], n: int, asked: int, pin: bool) -> None:
+        if pin and n:
+            self.runtime.store.pin(names[:n])  # (pins may be taken on any thread)
+        self.runtime.note_lookup(names, n, asked)
 
     # ------------------------------------------------------------------ writes
     def write(
@@ -147,6 +154,16 @@ class InProcessBridge:
         return read_chunks(
             self.runtime.store, names, self.allocator, self.runtime.counters, prefix_only=prefix_only
         )
+
+    def release_read(self, objs: Sequence[MemoryObj | None]) -> None:
+        """Give back what a read returned after its caller stopped waiting (its deadline):
+        each MemoryObj to LMCache's allocator, its hit counted as a miss."""
+        c = self.runtime.counters
+        for obj in objs:
+            if obj is not None:
+                obj.ref_count_down()
+                c.get_hits -= 1
+                c.get_misses += 1
 
 
 __all__ = ["InProcessBridge"]

@@ -54,13 +54,15 @@ async def read_chunks(
     """MemoryObjs (ref count 1, owned by the caller) for `names`; None for each miss.
 
     With ``prefix_only`` the result stops at the first miss (LMCache's async loading
-    wants a contiguous prefix) and every object after it is released.
+    wants a contiguous prefix) and every object after it is released.  An object whose
+    KV is not of the geometry of the allocator's engine (its ``metadata``) is a miss.
     """
     objs: list[Any] = [None] * len(names)
+    metadata = getattr(allocator, "metadata", None)
 
     def alloc_for(i: int):
         def alloc(header):
-            shape, dtype, fmt = allocation_for(header)
+            shape, dtype, fmt = allocation_for(header, metadata)
             earlier = objs[i]
             if earlier is not None:  # a read that fell back to another tier: its first place goes back
                 objs[i] = None

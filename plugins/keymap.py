@@ -94,8 +94,9 @@ def payload_of(obj: MemoryObj) -> tuple[torch.Tensor, str]:
     return tensor, f"{LAYOUT_PREFIX}{fmt.name}"
 
 
-def allocation_for(header: Any) -> tuple[torch.Size, torch.dtype, Any]:
-    """(shape, dtype, MemoryFormat) to allocate for a stored frame; ValueError if foreign."""
+def allocation_for(header: Any, metadata: Any = None) -> tuple[torch.Size, torch.dtype, Any]:
+    """(shape, dtype, MemoryFormat) to allocate for a stored frame; ValueError if foreign,
+    or (with LMCache's engine `metadata`) if its KV is not of this engine's geometry."""
     from lmcache.v1.memory_management import MemoryFormat
 
     layout = header.layout
@@ -105,7 +106,31 @@ def allocation_for(header: Any) -> tuple[torch.Size, torch.dtype, Any]:
     dtype = dtype_from_name(header.dtype)
     if dtype == torch.uint8 and len(header.shape) == 1:
         raise ValueError("multi-group KV objects are not read back by this plugin yet")
-    return torch.Size(header.shape), dtype, fmt
+    shape = torch.Size(header.shape)
+    if metadata is not None:
+        check_geometry(shape, fmt, metadata)
+    return shape, dtype, fmt
+
+
+def check_geometry(shape: torch.Size, fmt: Any, metadata: Any) -> None:
+    """ValueError when a whole-chunk object (``KV_2LTD``: K/V, layers, tokens, hidden) is
+    not of the shape this engine's chunks of as many tokens have: the checksum and key
+    hold, but the KV is another model's, stored under the same model name and world
+    size (an alias reused, a changed head count).  Other formats are not checked."""
+    if getattr(fmt, "name", None) != "KV_2LTD" or len(shape) != 4:
+        return
+    tokens = int(shape[2])
+    chunk = getattr(metadata, "chunk_size", None)
+    try:
+        want = metadata.get_shapes(tokens)
+    except Exception:  # an engine whose metadata cannot say: nothing to compare
+        return
+    if len(want) == 1 and (tuple(want[0]) != tuple(shape) or (chunk and not 0 < tokens <= chunk)):
+        raise ValueError(
+            f"stored KV has shape {tuple(shape)}, this engine's chunk of {tokens} tokens is "
+            f"{tuple(want[0])}: another model's KV under this model name; give each model "
+            "its own served model name or kvstore namespace"
+        )
 
 
 # ------------------------------------------------------------------ MP mode keys

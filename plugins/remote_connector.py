@@ -97,14 +97,16 @@ class KVStoreRemoteConnector(RemoteConnector):
         return True
 
     async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
-        return await self.runtime.acall(self.bridge.read(self.bridge.names(keys)), [None] * len(keys), "read")
+        return await self.runtime.acall(
+            self.bridge.read(self.bridge.names(keys)), [None] * len(keys), "read", release=self.bridge.release_read
+        )
 
     def support_batched_get_non_blocking(self) -> bool:
         return True
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey]) -> list[MemoryObj]:
         coro = self.bridge.read(self.bridge.names(keys), prefix_only=True)
-        return await self.runtime.acall(coro, [], "read")
+        return await self.runtime.acall(coro, [], "read", release=self.bridge.release_read)
 
     # ------------------------------------------------------------------- writes
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:

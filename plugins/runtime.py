@@ -18,7 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from kvstore.keys import namespace_prefix
 from kvstore.metrics_export import export_store, forget_store
@@ -69,6 +69,40 @@ def load_config(
     except StoreConfigError as exc:
         log.error("kvstore %s is NOT loaded, LMCache will run without it: %s", who, exc)
         raise
+
+
+class _Handoff:
+    """A result passing from the store's loop to a caller that may stop waiting for it
+    (its deadline): whichever comes second, the result or the caller giving up, decides,
+    under a lock.  A result the caller gave up on is handed to `release` (a read's
+    MemoryObjs go back to LMCache's allocator); one that came first is the caller's."""
+
+    def __init__(self, release: Callable[[Any], None]) -> None:
+        self._release = release
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._delivered = False
+        self.result: Any = None
+
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        result = await coro
+        with self._lock:
+            abandoned = self._abandoned
+            if not abandoned:
+                self._delivered, self.result = True, result
+        if abandoned:
+            self._release(result)
+        return result
+
+    def abandon(self) -> bool:
+        """The caller stops waiting; True when the result had come already (`result`)."""
+        with self._lock:
+            self._abandoned = not self._delivered
+            return self._delivered
+
+    def give_back(self) -> None:
+        """Release a result that came but that the caller will not use."""
+        self._release(self.result)
 
 
 class StoreRuntime:
@@ -185,10 +219,16 @@ class StoreRuntime:
         coro.close()
         raise RuntimeError("kvstore's store is closed: its loop no longer runs")
 
-    def call(self, coro: Coroutine[Any, Any, T], default: T, what: str) -> T:
-        """Run on the store's loop and wait at most ``timeout_s``; faults become `default`."""
+    def call(
+        self, coro: Coroutine[Any, Any, T], default: T, what: str, *, release: Callable[[T], None] | None = None
+    ) -> T:
+        """Run on the store's loop and wait at most ``timeout_s``; faults become `default`.
+        With `release`: a result that comes after the caller stopped waiting is given to
+        it (a read's MemoryObjs go back), and one that came just as the deadline fired
+        is served after all."""
+        handoff = _Handoff(release) if release is not None else None
         try:
-            fut = self.submit(coro)
+            fut = self.submit(handoff.run(coro) if handoff is not None else coro)
         except RuntimeError as exc:  # closed
             self.counters.errors += 1
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
@@ -196,6 +236,8 @@ class StoreRuntime:
         try:
             return fut.result(timeout=self.cfg.timeout_s)
         except concurrent.futures.TimeoutError:
+            if handoff is not None and handoff.abandon():
+                return cast(T, handoff.result)  # it finished as the deadline fired
             fut.cancel()
             self.counters.timeouts += 1
             log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, self.cfg.timeout_s)
@@ -204,12 +246,28 @@ class StoreRuntime:
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
         return default
 
-    async def acall(self, coro: Coroutine[Any, Any, T], default: T, what: str) -> T:
+    async def acall(
+        self, coro: Coroutine[Any, Any, T], default: T, what: str, *, release: Callable[[T], None] | None = None
+    ) -> T:
         """`call` for a caller running on another event loop (LMCache's)."""
         inner: concurrent.futures.Future[T] | None = None
+        handoff = _Handoff(release) if release is not None else None
         try:
-            inner = self.submit(coro)
-            return await asyncio.wait_for(asyncio.wrap_future(inner), timeout=self.cfg.timeout_s)
+            inner = self.submit(handoff.run(coro) if handoff is not None else coro)
+            waiting = asyncio.wrap_future(inner)
+            try:
+                done, _ = await asyncio.wait({waiting}, timeout=self.cfg.timeout_s)
+            except asyncio.CancelledError:  # the caller's own cancellation: nobody takes the result
+                if handoff is not None and handoff.abandon():
+                    handoff.give_back()
+                waiting.cancel()
+                raise
+            if not done:
+                if handoff is not None and handoff.abandon():
+                    return cast(T, handoff.result)  # it finished as the deadline fired
+                waiting.cancel()
+                raise asyncio.TimeoutError
+            return waiting.result()
         except asyncio.CancelledError:
             # The store's task was cancelled (the runtime stopping), not the caller's: a
             # miss.  The caller's own cancellation (or a Python that cannot tell them

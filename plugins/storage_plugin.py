@@ -74,12 +74,12 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         return self.batched_contains([key], pin) == 1
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        return self.bridge.lookup(keys)
+        return self.bridge.lookup(keys, pin)
 
     async def batched_async_contains(
         self, lookup_id: str, keys: list[CacheEngineKey], pin: bool = False
     ) -> int:
-        return await self.bridge.alookup(keys)
+        return await self.bridge.alookup(keys, pin)
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         return self.runtime.inflight(self._name(key)) is not None
@@ -114,7 +114,7 @@ class KVStoreStoragePlugin(StoragePluginInterface):
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         names = self.bridge.names(keys)
         self.bridge.wait_written(names, self.kv_config.timeout_s)
-        return self.runtime.call(self.bridge.read(names), [None] * len(keys), "read")
+        return self.runtime.call(self.bridge.read(names), [None] * len(keys), "read", release=self.bridge.release_read)
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
@@ -125,7 +125,9 @@ class KVStoreStoragePlugin(StoragePluginInterface):
             await asyncio.wait(
                 [asyncio.wrap_future(f) for f in set(pending)], timeout=self.kv_config.timeout_s
             )
-        return await self.runtime.acall(self.bridge.read(names, prefix_only=True), [], "read")
+        return await self.runtime.acall(
+            self.bridge.read(names, prefix_only=True), [], "read", release=self.bridge.release_read
+        )
 
     # ------------------------------------------------------------ housekeeping
     def pin(self, key: CacheEngineKey) -> bool:

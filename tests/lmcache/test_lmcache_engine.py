@@ -168,3 +168,92 @@ def test_a_lookup_does_not_wait_for_the_stores_loop_unless_a_tier_must_be_asked(
     assert not blocker.done()
     assert eng.engine.lookup(other) == CHUNK  # held, but unknown here: asked on the loop
     assert blocker.done()
+
+
+def test_a_pinned_lookup_keeps_its_chunks_until_the_retrieve(make_engine):
+    """vLLM's scheduler looks up with ``pin=True`` and retrieves later: the chunks the
+    lookup promised stay (other stores meanwhile fill the tier), and the retrieve
+    delivers all of them; the unpin lets them go again."""
+    import uuid
+
+    eng = make_engine("plugin", False, tiers=[f"mem://t-{uuid.uuid4().hex[:6]}?capacity=20KiB"])
+    store = eng.kvstore_backend().runtime.store
+    a = torch.arange(4 * CHUNK)
+    kv = random_kv(len(a), seed=4)
+    _store(eng, a, kv)
+    hit = eng.engine.lookup(a, lookup_id="req-a", pin=True)
+    assert hit == len(a)
+    assert store.stats().pinned == len(_names(eng, a))
+    b = torch.arange(1000, 1000 + 8 * CHUNK)
+    _store(eng, b, random_kv(len(b), seed=5))  # more than the tier holds
+    out = empty(len(a))
+    mask = eng.engine.retrieve(a, kvcaches=out, req_id="req-a")
+    assert int(mask.sum()) == hit
+    assert _same_prefix(kv, out, len(a))
+    eng.engine.lookup_unpin("req-a")
+    assert store.stats().pinned == 0
+
+
+def test_kv_of_another_geometry_under_the_same_model_name_is_a_miss(monkeypatch, tmp_path):
+    """Two deployments share a tier under one model name but differ in KV geometry (an
+    alias reused for another model): the checksum and key hold, yet the objects are
+    refused (a miss), never handed to LMCache with another model's shape."""
+    import os
+
+    from kvstore.demo.cpu_engine import build_cpu_engine
+    from tests.lmcache.helpers import HEAD_DIM, HEADS, LAYERS, lmcache_env
+
+    def engine(heads: int):  # type: ignore[no-untyped-def]
+        for name in list(os.environ):
+            if name.startswith(("LMCACHE_", "KVSTORE_")) and name != "KVSTORE_HOME":
+                monkeypatch.delenv(name)
+        for k, v in lmcache_env("plugin", False, [f"file://{tmp_path}/shared?fsync=false"]).items():
+            monkeypatch.setenv(k, v)
+        return build_cpu_engine(
+            model_name="shared-alias", num_layers=LAYERS, num_kv_heads=heads, head_dim=HEAD_DIM, dtype=torch.bfloat16
+        )
+
+    a = engine(HEADS)
+    tokens = torch.arange(2 * CHUNK)
+    _store(a, tokens, random_kv(len(tokens), seed=6))
+    a.close()
+    b = engine(HEADS * 2)
+    try:
+        backend = b.kvstore_backend()
+        keys = [k for _, _, k in b.engine.token_database.process_tokens(tokens)]
+        got = backend.batched_get_blocking(keys)
+        assert got == [None, None]
+        assert backend.runtime.counters.get_hits == 0
+        assert cpu_bytes_in_use(b) == 0
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize(("path", "asyncm"), [("plugin", False), ("plugin", True), ("remote", False)], ids=IDS[:3])
+def test_a_read_finishing_as_its_deadline_fires_gives_its_memory_back(make_engine, path, asyncm):
+    """A read whose last step runs on the store's loop as kvstore's deadline fires: the
+    load is a miss, and the MemoryObjs the read allocated go back to LMCache's
+    allocator (none is left for the garbage collector), counted as misses."""
+    import time
+
+    eng = make_engine(path, asyncm, extra={"kvstore.timeout_s": 0.5})
+    tokens = torch.arange(4 * CHUNK)
+    _store(eng, tokens, random_kv(len(tokens), seed=7))
+    backend = eng.kvstore_backend()
+    store = backend.runtime.store
+    real = store.get_many
+
+    async def slow_tail(names, out=None):  # type: ignore[no-untyped-def]
+        got = await real(names, out)
+        time.sleep(0.8)  # a last synchronous step on the store's loop, past the deadline
+        return got
+
+    store.get_many = slow_tail
+    _, got = eng.lookup_then_load(tokens, empty(len(tokens)))
+    assert got == 0
+    deadline = time.monotonic() + 5
+    while cpu_bytes_in_use(eng) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cpu_bytes_in_use(eng) == 0
+    c = backend.runtime.counters
+    assert c.timeouts >= 1 and c.get_hits == 0
