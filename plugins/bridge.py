@@ -36,6 +36,7 @@ class InProcessBridge:
         self.allocator = allocator
         self.count_inflight = count_inflight
         self.namespace = runtime.cfg.namespace
+        close_store_first(allocator, runtime)
 
     def names(self, keys: Sequence[CacheEngineKey]) -> list[str]:
         return object_names(keys, self.namespace)
@@ -164,6 +165,37 @@ class InProcessBridge:
                 obj.ref_count_down()
                 c.get_hits -= 1
                 c.get_misses += 1
+
+
+def close_store_first(allocator: Any, runtime: StoreRuntime) -> None:
+    """Have LMCache's CPU backend (`allocator`) close the store before it frees its memory.
+
+    LMCache closes its backends in the order they were made, its CPU backend first: its
+    allocator's memory went while writes this store had under way still read their
+    MemoryObjs there (and reads wrote into them), which crashed the process at shutdown.
+    Closed this way, the writes end (up to the store deadline) and the reads are
+    cancelled first; the plugin's own close afterwards finds the store closed."""
+    close = getattr(allocator, "close", None)
+    if close is None:
+        return
+    stores = getattr(close, "_kvstore_runtimes", None)
+    if stores is not None:  # another plugin of this engine wrapped it already
+        stores.append(runtime)
+        return
+    stores = [runtime]
+
+    def close_after_the_store() -> None:
+        try:
+            for store in stores:
+                store.close()
+        finally:
+            close()
+
+    close_after_the_store._kvstore_runtimes = stores  # type: ignore[attr-defined]
+    try:
+        allocator.close = close_after_the_store
+    except (AttributeError, TypeError):  # an allocator that cannot take it: the order stays LMCache's
+        pass
 
 
 __all__ = ["InProcessBridge"]

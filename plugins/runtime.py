@@ -220,12 +220,19 @@ class StoreRuntime:
         raise RuntimeError("kvstore's store is closed: its loop no longer runs")
 
     def call(
-        self, coro: Coroutine[Any, Any, T], default: T, what: str, *, release: Callable[[T], None] | None = None
+        self,
+        coro: Coroutine[Any, Any, T],
+        default: T,
+        what: str,
+        *,
+        release: Callable[[T], None] | None = None,
+        timeout: float | None = None,
     ) -> T:
-        """Run on the store's loop and wait at most ``timeout_s``; faults become `default`.
-        With `release`: a result that comes after the caller stopped waiting is given to
-        it (a read's MemoryObjs go back), and one that came just as the deadline fired
-        is served after all."""
+        """Run on the store's loop and wait at most `timeout` (default ``timeout_s``);
+        faults become `default`.  With `release`: a result that comes after the caller
+        stopped waiting is given to it (a read's MemoryObjs go back), and one that came
+        just as the deadline fired is served after all."""
+        timeout = self.cfg.timeout_s if timeout is None else max(0.0, timeout)
         handoff = _Handoff(release) if release is not None else None
         try:
             fut = self.submit(handoff.run(coro) if handoff is not None else coro)
@@ -234,7 +241,7 @@ class StoreRuntime:
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
             return default
         try:
-            return fut.result(timeout=self.cfg.timeout_s)
+            return fut.result(timeout=timeout)
         except concurrent.futures.TimeoutError:
             if handoff is not None and handoff.abandon():
                 return cast(T, handoff.result)  # it finished as the deadline fired
@@ -247,16 +254,23 @@ class StoreRuntime:
         return default
 
     async def acall(
-        self, coro: Coroutine[Any, Any, T], default: T, what: str, *, release: Callable[[T], None] | None = None
+        self,
+        coro: Coroutine[Any, Any, T],
+        default: T,
+        what: str,
+        *,
+        release: Callable[[T], None] | None = None,
+        timeout: float | None = None,
     ) -> T:
         """`call` for a caller running on another event loop (LMCache's)."""
+        timeout = self.cfg.timeout_s if timeout is None else max(0.0, timeout)
         inner: concurrent.futures.Future[T] | None = None
         handoff = _Handoff(release) if release is not None else None
         try:
             inner = self.submit(handoff.run(coro) if handoff is not None else coro)
             waiting = asyncio.wrap_future(inner)
             try:
-                done, _ = await asyncio.wait({waiting}, timeout=self.cfg.timeout_s)
+                done, _ = await asyncio.wait({waiting}, timeout=timeout)
             except asyncio.CancelledError:  # the caller's own cancellation: nobody takes the result
                 if handoff is not None and handoff.abandon():
                     handoff.give_back()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -112,21 +113,35 @@ class KVStoreStoragePlugin(StoragePluginInterface):
         return self.batched_get_blocking([key])[0]
 
     def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """The chunks (None: a miss), after this process's writes of them, all within one
+        ``kvstore.timeout_s``."""
         names = self.bridge.names(keys)
+        deadline = time.monotonic() + self.kv_config.timeout_s
         self.bridge.wait_written(names, self.kv_config.timeout_s)
-        return self.runtime.call(self.bridge.read(names), [None] * len(keys), "read", release=self.bridge.release_read)
+        return self.runtime.call(
+            self.bridge.read(names),
+            [None] * len(keys),
+            "read",
+            release=self.bridge.release_read,
+            timeout=deadline - time.monotonic(),
+        )
 
     async def batched_get_non_blocking(
         self, lookup_id: str, keys: list[CacheEngineKey], transfer_spec: Any = None
     ) -> list[MemoryObj]:
         names = self.bridge.names(keys)
+        deadline = time.monotonic() + self.kv_config.timeout_s
         pending = [f for f in (self.runtime.inflight(n) for n in names) if f is not None]
         if pending:
             await asyncio.wait(
                 [asyncio.wrap_future(f) for f in set(pending)], timeout=self.kv_config.timeout_s
             )
         return await self.runtime.acall(
-            self.bridge.read(names, prefix_only=True), [], "read", release=self.bridge.release_read
+            self.bridge.read(names, prefix_only=True),
+            [],
+            "read",
+            release=self.bridge.release_read,
+            timeout=deadline - time.monotonic(),
         )
 
     # ------------------------------------------------------------ housekeeping

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,3 +258,91 @@ def test_a_read_finishing_as_its_deadline_fires_gives_its_memory_back(make_engin
     assert cpu_bytes_in_use(eng) == 0
     c = backend.runtime.counters
     assert c.timeouts >= 1 and c.get_hits == 0
+
+
+@pytest.mark.parametrize("asyncm", [False, True], ids=["blocking", "non-blocking"])
+def test_a_read_waiting_for_a_slow_write_of_its_chunks_keeps_one_deadline(make_engine, asyncm):
+    """A read of chunks this process is still writing waits for those writes and reads
+    within one ``kvstore.timeout_s`` in all (the engine thread is not held twice as long)."""
+    import asyncio
+    import time
+
+    eng = make_engine("plugin", asyncm, extra={"kvstore.timeout_s": 0.5})
+    backend = eng.kvstore_backend()
+    store = backend.runtime.store
+    real_put, real_get = store.put_many, store.get_many
+
+    async def slow_put(*a, **k):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(2)
+        return await real_put(*a, **k)
+
+    async def slow_get(*a, **k):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(2)
+        return await real_get(*a, **k)
+
+    store.put_many, store.get_many = slow_put, slow_get
+    tokens = torch.arange(4 * CHUNK)
+    eng.engine.store(tokens, kvcaches=random_kv(len(tokens)))
+    keys = [k for _, _, k in eng.engine.token_database.process_tokens(tokens)]
+    started = time.monotonic()
+    if asyncm:
+        read = backend.batched_get_non_blocking("req", keys)
+        got = asyncio.run_coroutine_threadsafe(read, eng.engine.storage_manager.loop).result(10)
+        assert got == []
+    else:
+        assert backend.batched_get_blocking(keys) == [None] * len(keys)
+    assert time.monotonic() - started < 0.8
+    assert backend.runtime.counters.timeouts == 1
+    store.put_many, store.get_many = real_put, real_get
+    assert eng.wait_for_writes(10)
+
+
+CLOSE_WITH_A_WRITE_UNDER_WAY = """
+import asyncio, os, sys
+import torch
+from tests.lmcache.helpers import CHUNK, HEAD_DIM, HEADS, LAYERS, lmcache_env, random_kv
+from kvstore.demo.cpu_engine import build_cpu_engine
+os.environ.update(lmcache_env(sys.argv[1], sys.argv[2] == "async", [f"file://{sys.argv[3]}?fsync=false"]))
+eng = build_cpu_engine(model_name="tiny-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                       dtype=torch.bfloat16)
+store = eng.kvstore_backend().runtime.store
+real = store.put_many
+async def slow(*a, **k):
+    await asyncio.sleep(1.0)  # the write reads LMCache's MemoryObjs after this
+    return await real(*a, **k)
+store.put_many = slow
+eng.engine.store(torch.arange(4 * CHUNK), kvcaches=random_kv(4 * CHUNK))
+eng.close()  # LMCache closes its CPU backend (and frees its memory) before kvstore
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("path", "asyncm"), [("plugin", False), ("remote", True)], ids=["plugin-sync", "remote-async"])
+def test_closing_the_engine_with_a_write_under_way_lets_it_end_first(path, asyncm, tmp_path):
+    """LMCache closes its CPU backend, whose allocator holds the MemoryObjs, before
+    kvstore: kvstore's writes under way end first (the process does not crash reading
+    freed memory), and the chunks they wrote are stored."""
+    import subprocess
+    import sys
+
+    from kvstore.backends.disk import DiskBackend
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run(
+        [sys.executable, "-c", CLOSE_WITH_A_WRITE_UNDER_WAY, path, "async" if asyncm else "sync", str(tmp_path)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+
+    async def stored() -> int:
+        b = DiskBackend(tmp_path, fsync=False)
+        n = len([i async for i in b.list("")])
+        await b.close()
+        return n
+
+    import asyncio
+
+    assert asyncio.run(stored()) == 4
