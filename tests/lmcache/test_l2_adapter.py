@@ -131,12 +131,12 @@ def test_a_lookup_lock_never_released_lapses_with_its_pin(make_adapter, tmp_path
     """LMCache leaves the locks of an aborted request's lookup unreleased: such a lock
     lapses after ``lock_ttl_s`` with its pin, so a later lookup's one unlock frees the
     chunk (it is not held by a count that never reaches zero)."""
-    ad = make_adapter([f"file://{tmp_path}/d?fsync=false"], lock_ttl_s=0.3)
+    ad = make_adapter([f"file://{tmp_path}/d?fsync=false"], lock_ttl_s=1.0)
     keys = [okey(1)]
     assert store(ad, keys, [kv(1)])
     assert lookup(ad, keys) == [True]  # an aborted request: never unlocked
     assert ad.report_status()["locked"] == 1
-    time.sleep(0.4)
+    time.sleep(1.2)
     assert ad.report_status()["locked"] == 0
     assert lookup(ad, keys) == [True]
     name = ad._names(keys)[0]
