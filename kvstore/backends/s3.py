@@ -323,10 +323,14 @@ class S3Backend(Backend):
             self.errors["breaker_open"] += 1
             return _FAILED
         ok = False
+        stopped = False
         try:
             value = await asyncio.wait_for(op(), self.options.timeout)
             ok = True
             return value
+        except asyncio.CancelledError:  # the caller stopped waiting: no word on the server
+            stopped = True
+            raise
         except _Missing:
             ok = True
             return None
@@ -342,7 +346,8 @@ class S3Backend(Backend):
                 log.debug("S3 operation failed (%s): %r", kind, exc)
             return _FAILED
         finally:
-            self.breaker.record(ok)
+            if not stopped:
+                self.breaker.record(ok)
 
     # -- put ---------------------------------------------------------------------------
 
@@ -730,7 +735,7 @@ class S3Backend(Backend):
         loop = asyncio.get_running_loop()
         op = Op(time.monotonic() + o.timeout)
         timer = loop.call_later(o.timeout, op.abort, "deadline")
-        ok = False
+        ok = stopped = False
         assert self._sem is not None  # set by _ready()
         try:
             async with self._sem:
@@ -765,6 +770,9 @@ class S3Backend(Backend):
                     sink.feed_hashed(hi - lo, cast(int, value))
                 ok = True
                 return sink.finish(), len(opened.dst)
+        except asyncio.CancelledError:  # the caller stopped waiting: no word on the server
+            stopped = True
+            raise
         except Stopped:  # the caller gave the read up: a miss, no fault of the server's
             ok = True
             return None, 0
@@ -781,7 +789,8 @@ class S3Backend(Backend):
             return _FAILED, 0
         finally:
             timer.cancel()
-            self.breaker.record(ok)
+            if not stopped:
+                self.breaker.record(ok)
 
     async def _presign(self, operation: str, params: dict[str, Any]) -> str:
         """A presigned URL for one streamed request (it never leaves this process).  Valid

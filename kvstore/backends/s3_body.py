@@ -2,7 +2,8 @@
 
 Owns: `PartsBody`, a file-like view over a list of byte buffers that botocore accepts as
 a request body (it sizes, hashes and rewinds it through ``len/read/seek/tell``), the
-aiohttp payload that sends those buffers to the socket as they are, and `read_into`,
+aiohttp payload that sends those buffers to the socket as they are (in copied pieces on
+Python 3.12 and later: `QUEUES_VIEWS`), and `read_into`,
 which streams a response body straight into a caller's buffer.  Must not touch: S3
 semantics, retries, counters.
 
@@ -16,9 +17,19 @@ bytes would mean joining or slicing into fresh copies (a fresh 32 MiB bytes cost
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Sequence
 
 import aiohttp.payload
+
+#: Python 3.12 and later: a transport queues the unsent part of a memoryview without
+#: copying it, and a request cancelled (its deadline) closes its transport gracefully,
+#: which goes on sending the queue.  Sent from the caller's buffers, a body would then
+#: end with whatever the caller wrote there after it got the failure back, and the
+#: server could store that in place of a good object.  There, bodies go in copied
+#: pieces (`PIECE`): what is queued is the body as it was.
+QUEUES_VIEWS = sys.version_info >= (3, 12)
+PIECE = 1 << 20
 
 
 class PartsBody:
@@ -88,7 +99,7 @@ class _PartsPayload(aiohttp.payload.Payload):
 
     async def write(self, writer) -> None:
         for view in self._value.views():
-            await writer.write(view)
+            await _send(writer, view)
 
     async def write_with_length(self, writer, content_length: int | None) -> None:
         left = self._value.size if content_length is None else content_length
@@ -96,8 +107,18 @@ class _PartsPayload(aiohttp.payload.Payload):
             if left <= 0:
                 break
             chunk = view if view.nbytes <= left else view[:left]
-            await writer.write(chunk)
+            await _send(writer, chunk)
             left -= chunk.nbytes
+
+
+async def _send(writer, view: memoryview) -> None:
+    """`view` to the transport: as it is, or in copied pieces where a transport would
+    queue the view itself (`QUEUES_VIEWS`)."""
+    if not QUEUES_VIEWS:
+        await writer.write(view)
+        return
+    for lo in range(0, view.nbytes, PIECE):
+        await writer.write(bytes(view[lo : lo + PIECE]))
 
 
 aiohttp.payload.PAYLOAD_REGISTRY.register(_PartsPayload, PartsBody)

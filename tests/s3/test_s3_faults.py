@@ -11,6 +11,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from kvstore.backends import open_backend
 from kvstore.frame import encode_frame
@@ -123,6 +124,28 @@ async def test_breaker_opens_stops_calling_and_half_opens_to_recover(env, proxy)
         assert await b.get("b/1") == memoryview(b"one")  # the probe succeeds
         assert b.breaker.state.value == "closed"
         assert await b.get_many(["b/1"] * 4) == [memoryview(b"one")] * 4
+
+
+@pytest.mark.parametrize("stream", ["false", "true"])
+async def test_reads_their_callers_cancel_do_not_open_the_breaker(env, server, stream):
+    """A caller that stops waiting (a tier deadline, an aborted request) says nothing
+    about the server: cancelled reads of a healthy server leave the breaker closed and
+    the next read is served."""
+    from kvstore.tier import Tier
+
+    with FaultProxy(("127.0.0.1", server.ports.s3), latency=0.5) as slow:
+        async with Tier(open_backend(proxied_url(slow, f"cancel-{stream}", stream=stream, breaker_failures=3))) as tier:
+            t = torch.arange(1024, dtype=torch.float32)
+            assert await tier.put_many([("c/m/f-1-0/1", t)]) == [True]
+            for _ in range(5):
+                reading = asyncio.ensure_future(tier.get_many(["c/m/f-1-0/1"], out=[torch.zeros_like(t)]))
+                await asyncio.sleep(0.1)
+                reading.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await reading
+            assert tier.backend.breaker.state.value == "closed"
+            (got,) = await tier.get_many(["c/m/f-1-0/1"], out=[torch.zeros_like(t)])
+            assert got is not None and torch.equal(got, t)
 
 
 async def test_server_killed_mid_batch_then_restarted_backend_recovers(env, server):
