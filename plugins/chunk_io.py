@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore_lmcache.keymap import allocation_for, payload_of
+from kvstore_lmcache.keymap import allocation_for, kv_groups, payload_of
 from kvstore_lmcache.runtime import PluginCounters
 
 if TYPE_CHECKING:
@@ -33,6 +33,9 @@ async def write_chunks(
     by_layout: dict[str, list[int]] = {}
     payloads = {}
     for i, obj in enumerate(objs):
+        if kv_groups(obj) > 1:  # not read back in-process yet: storing it would promise a miss
+            _warn_multi_group()
+            continue
         payloads[i], layout = payload_of(obj)
         by_layout.setdefault(layout, []).append(i)
     chained = len(by_layout) == 1  # one layout: the batch is the prompt's chunks in order
@@ -46,6 +49,18 @@ async def write_chunks(
         for i, r in zip(idx, res):
             ok[i] = r
     return ok
+
+
+_warned: set[str] = set()
+
+
+def _warn_multi_group() -> None:
+    if "multi-group" not in _warned:
+        _warned.add("multi-group")
+        log.warning(
+            "kvstore: chunks of several KV groups (a hybrid model) are not stored in-process: "
+            "this plugin cannot read them back yet; use LMCache's MP mode (the L2 adapter) for this model"
+        )
 
 
 async def read_chunks(

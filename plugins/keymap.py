@@ -46,8 +46,19 @@ def _fmt_of(key: CacheEngineKey) -> str:
     if layer is not None:
         fmt += f".L{layer}"
     for tag, value in key.tags or ():
-        fmt += f".{tag}={value}"
+        fmt += f".{_tag_text(str(tag))}={_tag_text(_typed(value))}"
     return fmt
+
+
+def _typed(value: Any) -> str:
+    """A tag value as text that tells its type: ``1`` and ``"1"`` are different tags."""
+    return f"s:{value}" if isinstance(value, str) else f"{type(value).__name__}:{value!r}"
+
+
+def _tag_text(text: str) -> str:
+    """`text` with the characters that separate tags escaped, so no tag name or value
+    can spell another set of tags (``user="a.role=admin"`` is not ``user=a, role=admin``)."""
+    return text.replace("%", "%25").replace(".", "%2E").replace("=", "%3D")
 
 
 def object_name(key: CacheEngineKey, namespace: str) -> str:
@@ -82,6 +93,12 @@ def object_names(keys: Sequence[CacheEngineKey], namespace: str) -> list[str]:
 
 def _named_run(key: CacheEngineKey, hashes: list[Any], namespace: str) -> list[str]:
     return chunk_object_names(namespace, key.model_name, _fmt_of(key), key.world_size, key.worker_id, hashes)
+
+
+def kv_groups(obj: MemoryObj) -> int:
+    """How many KV groups (layer groups of one shape) a MemoryObj holds: 1 but for hybrid
+    models."""
+    return len(obj.get_shapes()) if obj.meta.shapes is not None else 1
 
 
 def payload_of(obj: MemoryObj) -> tuple[torch.Tensor, str]:

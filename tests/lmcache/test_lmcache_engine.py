@@ -346,3 +346,25 @@ def test_closing_the_engine_with_a_write_under_way_lets_it_end_first(path, async
     import asyncio
 
     assert asyncio.run(stored()) == 4
+
+
+def test_a_chunk_of_several_kv_groups_is_not_promised_in_process(make_engine):
+    """A hybrid model's chunk (several KV groups) cannot be read back in-process yet: it
+    is not stored (a counted failed write), so no lookup promises a chunk every load of
+    which would miss."""
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    eng = make_engine("plugin", False)
+    backend = eng.kvstore_backend()
+    cpu = eng.engine.storage_manager.storage_backends["LocalCPUBackend"]
+    shapes = [torch.Size([2, 2, CHUNK, 16]), torch.Size([2, 1, CHUNK, 8])]
+    obj = cpu.allocate(shapes, [torch.bfloat16, torch.bfloat16], MemoryFormat.KV_2LTD)
+    assert obj is not None
+    key = CacheEngineKey("tiny-test", 1, 0, 12345, torch.bfloat16)
+    backend.batched_submit_put_task([key], [obj])
+    obj.ref_count_down()
+    assert backend.wait_for_writes(10)
+    assert backend.batched_contains([key]) == 0
+    assert backend.runtime.counters.put_failed == 1
+    assert cpu_bytes_in_use(eng) == 0

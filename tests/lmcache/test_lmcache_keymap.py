@@ -31,6 +31,20 @@ def test_dtype_layer_and_tags_are_part_of_the_name():
     assert object_name(_key(7), "other") != base
 
 
+def test_distinct_tags_never_spell_the_same_name():
+    """Tags separate tenants (and what changes the KV, such as an adapter): a tag value
+    cannot spell another set of tags, and values of different types stay apart."""
+    one = _key(7, request_configs={"lmcache.tag.user": "alice.role=admin"})
+    two = _key(7, request_configs={"lmcache.tag.user": "alice", "lmcache.tag.role": "admin"})
+    assert one != two and object_name(one, "ns") != object_name(two, "ns")
+    as_int = _key(7, request_configs={"lmcache.tag.n": 1})
+    as_str = _key(7, request_configs={"lmcache.tag.n": "1"})
+    assert as_int != as_str and object_name(as_int, "ns") != object_name(as_str, "ns")
+    pct = _key(7, request_configs={"lmcache.tag.user": "a%2Eb"})
+    dot = _key(7, request_configs={"lmcache.tag.user": "a.b"})
+    assert object_name(pct, "ns") != object_name(dot, "ns")
+
+
 def test_the_lookup_paths_name_is_the_chunk_keys_name():
     """`object_name` (what every lookup and read calls) spells exactly what `ChunkKey` does."""
     keys = [
