@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import http.client
 import logging
+import os
 import secrets
 import time
 import urllib.request
@@ -229,6 +230,11 @@ class S3Backend(Backend):
                 )
                 self._stack = stack
                 self._sem = asyncio.Semaphore(o.concurrency)
+                endpoint = getattr(getattr(self._client, "meta", None), "endpoint_url", None)
+                if self.capabilities.streamed_reads and endpoint and _proxied_endpoint(endpoint):
+                    # the endpoint botocore resolved (a profile's) is reached through a proxy,
+                    # which streamed requests do not speak: botocore's requests only
+                    self.capabilities = Capabilities(ranged_reads=True)
         return self._client
 
     async def open(self) -> S3Backend:
@@ -1104,10 +1110,18 @@ def _value(result: Any) -> Any:
 
 
 def _proxied(o: S3Options) -> bool:
-    """Whether the environment sends requests to this endpoint through a proxy."""
+    """Whether the environment sends requests to this endpoint through a proxy: the URL's
+    ``endpoint_url``, else the one botocore takes from ``AWS_ENDPOINT_URL_S3`` or
+    ``AWS_ENDPOINT_URL``, else AWS's (a profile's ``endpoint_url`` is checked once the
+    client exists: `_proxied_endpoint`)."""
+    endpoint = o.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    return _proxied_endpoint(endpoint or "https://s3.amazonaws.com")
+
+
+def _proxied_endpoint(endpoint: str) -> bool:
     from urllib.parse import urlsplit
 
-    u = urlsplit(o.endpoint_url or "https://s3.amazonaws.com")
+    u = urlsplit(endpoint)
     proxies = urllib.request.getproxies()
     return bool(proxies.get(u.scheme)) and not urllib.request.proxy_bypass(u.hostname or "")
 

@@ -221,6 +221,23 @@ async def test_a_proxy_in_the_environment_turns_streaming_off(env, monkeypatch):
     await st.close()
 
 
+async def test_an_endpoint_from_the_environment_behind_a_proxy_is_reached_through_it(env, server, monkeypatch):
+    """An endpoint botocore takes from ``AWS_ENDPOINT_URL`` and reaches only through the
+    site's proxy: streaming (which speaks HTTP itself, without proxies) turns off, so
+    puts and reads go through the proxy too."""
+    with FaultProxy(("127.0.0.1", server.ports.s3)) as relay:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://s3.internal.invalid:8333")
+        monkeypatch.setenv("HTTP_PROXY", relay.url)
+        monkeypatch.setenv("NO_PROXY", "")
+        monkeypatch.delenv("no_proxy", raising=False)
+        b = S3Backend(f"s3://{BUCKET}/env-endpoint-{os.getpid()}?region=us-east-1&addressing_style=path&connect_timeout=0.5&read_timeout=2")
+        assert not b.capabilities.streamed_reads
+        await b.open()
+        assert await b.put_many([("ns/m/f-1-0/e", b"x" * 1000)]) == [True]
+        assert await b.contains_many(["ns/m/f-1-0/e"]) == [True]
+        await b.close()
+
+
 @pytest.fixture
 def proxy(server):
     with FaultProxy(("127.0.0.1", server.ports.s3)) as p:
