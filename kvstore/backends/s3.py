@@ -20,13 +20,13 @@ command line exits 3 with the message): a listing silently cut short would make
 migration or garbage collection act on half the objects.
 
 Multipart uploads never outlive their put: a part that fails, a deadline that passes or a
-cancellation cancels the other parts, then aborts the upload (and aborts again while
-ListParts still finds it, as S3 allows a part in flight to land after an abort) in a task
-of its own, which the put waits for; a second cancellation leaves it running and
-`close()` waits for it.  An upload a killed process left behind is removed by
-`abort_stale_uploads` (``kvstore gc``).
+cancellation cancels the other parts (the put returns once none sends from the caller's
+buffers), then aborts the upload (and aborts again while ListParts still finds it, as S3
+allows a part in flight to land after an abort) in a task of its own, in the background
+so the put keeps its deadline; `close()` waits for it.  An upload a killed process left
+behind is removed by `abort_stale_uploads` (``kvstore gc``).
 
-Integrity: each frame carries its own XXH3 checksum, so by default botocore's own
+Integrity: each frame carries its own CRC32C checksum, so by default botocore's own
 request checksums are off (``checksum=when_required``); ``checksum=when_supported``
 turns CRC32 on for every request (about 40% fewer PUT MiB/s on this machine).
 """
@@ -428,9 +428,13 @@ class S3Backend(Backend):
             )
         except BaseException:
             # the upload must not outlive this put (its parts are stored, and billed, until
-            # aborted): stop the other parts, then abort, in a task a cancellation of this
-            # one does not stop; a second cancellation leaves it to close()
-            await asyncio.shield(self._spawn(self._abandon(client, key, upload_id, tasks)))
+            # aborted): the other parts are stopped first, waited for through any further
+            # cancellation (they send from the caller's buffers); the abort then runs on in
+            # the background (up to three rounds of requests: the put keeps its deadline),
+            # and close() waits for it
+            stopping = self._spawn(self._stop_parts(tasks))
+            await wait_out(stopping)
+            self._spawn(self._abort_quietly(client, key, upload_id))
             raise
         return True
 
@@ -458,15 +462,16 @@ class S3Backend(Backend):
         task.add_done_callback(self._cleanups.discard)
         return task
 
-    async def _abandon(
-        self, client: Any, key: str, upload_id: str, parts: Sequence[asyncio.Future[Any]]
-    ) -> None:
+    async def _stop_parts(self, parts: Sequence[asyncio.Future[Any]]) -> None:
+        """Cancel a multipart put's part requests and wait until none is sending."""
         for t in parts:
             t.cancel()
         await asyncio.wait(parts)  # no part request may still be sending once the abort goes
         for t in parts:
             if not t.cancelled():
                 t.exception()  # retrieved: the put raises its own failure
+
+    async def _abort_quietly(self, client: Any, key: str, upload_id: str) -> None:
         await self._abort(client, key, upload_id)
 
     async def _abort(self, client: Any, key: str, upload_id: str) -> bool:
