@@ -232,7 +232,10 @@ class S3Streams:
             sock: socket.socket | None = None
             try:
                 if conn.sock is None:
-                    conn.connect()  # within connect_timeout
+                    # within connect_timeout, and not past the op's deadline (a connect in
+                    # progress has no socket `abort` could shut yet)
+                    conn.timeout = max(0.01, min(self.connect_timeout, op.deadline - time.monotonic()))
+                    conn.connect()
                 sock = conn.sock
                 sock.settimeout(self.read_timeout)  # from here: per block sent or read
                 op.watch(sock)
