@@ -136,13 +136,12 @@ def check_geometry(shape: torch.Size, fmt: Any, metadata: Any) -> None:
     size (an alias reused, a changed head count).  Other formats are not checked."""
     if getattr(fmt, "name", None) != "KV_2LTD" or len(shape) != 4:
         return
-    tokens = int(shape[2])
-    chunk = getattr(metadata, "chunk_size", None)
+    tokens = int(shape[2])  # (any count: LMCache's own checks store more than a chunk's)
     try:
         want = metadata.get_shapes(tokens)
     except Exception:  # an engine whose metadata cannot say: nothing to compare
         return
-    if len(want) == 1 and (tuple(want[0]) != tuple(shape) or (chunk and not 0 < tokens <= chunk)):
+    if len(want) == 1 and tuple(want[0]) != tuple(shape):
         raise ValueError(
             f"stored KV has shape {tuple(shape)}, this engine's chunk of {tokens} tokens is "
             f"{tuple(want[0])}: another model's KV under this model name; give each model "
