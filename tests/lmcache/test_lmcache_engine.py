@@ -305,13 +305,17 @@ from kvstore.demo.cpu_engine import build_cpu_engine
 os.environ.update(lmcache_env(sys.argv[1], sys.argv[2] == "async", [f"file://{sys.argv[3]}?fsync=false"]))
 eng = build_cpu_engine(model_name="tiny-test", num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
                        dtype=torch.bfloat16)
+import threading
 store = eng.kvstore_backend().runtime.store
 real = store.put_many
+began = threading.Event()
 async def slow(*a, **k):
+    began.set()
     await asyncio.sleep(1.0)  # the write reads LMCache's MemoryObjs after this
     return await real(*a, **k)
 store.put_many = slow
 eng.engine.store(torch.arange(4 * CHUNK), kvcaches=random_kv(4 * CHUNK))
+assert began.wait(30), "the write never reached kvstore"  # (a remote connector's puts queue on LMCache's loop)
 eng.close()  # LMCache closes its CPU backend (and frees its memory) before kvstore
 print("closed", flush=True)
 """
