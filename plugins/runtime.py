@@ -247,7 +247,7 @@ class StoreRuntime:
                 return cast(T, handoff.result)  # it finished as the deadline fired
             fut.cancel()
             self.counters.timeouts += 1
-            log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, self.cfg.timeout_s)
+            log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, timeout)
         except Exception as exc:
             self.counters.errors += 1
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
@@ -295,7 +295,7 @@ class StoreRuntime:
             log.warning("kvstore: %s was cancelled (the store is closing); served as a miss", what)
         except asyncio.TimeoutError:
             self.counters.timeouts += 1
-            log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, self.cfg.timeout_s)
+            log.warning("kvstore: %s took longer than %.1fs; served as a miss", what, timeout)
         except Exception as exc:
             self.counters.errors += 1
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
