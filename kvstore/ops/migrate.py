@@ -400,8 +400,6 @@ async def migrate(
         """Whether the destination holds a proven copy of `name`: read whole, its frame
         checked (checksum, key), a copy of the source's (its checksum; without
         recoding, its size too). One that is not is logged and copied again."""
-        if not (await dst.contains_many([name]))[0]:
-            return False
         (have,) = await dst.get_many([name], alloc)
         if have is None:
             return False
