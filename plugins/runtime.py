@@ -219,6 +219,15 @@ class StoreRuntime:
         coro.close()
         raise RuntimeError("kvstore's store is closed: its loop no longer runs")
 
+    def _bounded(
+        self, coro: Coroutine[Any, Any, T], release: Callable[[T], None] | None, timeout: float | None
+    ) -> tuple[float, _Handoff | None, Coroutine[Any, Any, T]]:
+        """The deadline to wait (default ``timeout_s``) and, with `release`, the handoff
+        the coroutine then runs through (`call`)."""
+        handoff = _Handoff(release) if release is not None else None
+        wait = self.cfg.timeout_s if timeout is None else max(0.0, timeout)
+        return wait, handoff, handoff.run(coro) if handoff is not None else coro
+
     def call(
         self,
         coro: Coroutine[Any, Any, T],
@@ -232,10 +241,9 @@ class StoreRuntime:
         faults become `default`.  With `release`: a result that comes after the caller
         stopped waiting is given to it (a read's MemoryObjs go back), and one that came
         just as the deadline fired is served after all."""
-        timeout = self.cfg.timeout_s if timeout is None else max(0.0, timeout)
-        handoff = _Handoff(release) if release is not None else None
+        timeout, handoff, coro = self._bounded(coro, release, timeout)
         try:
-            fut = self.submit(handoff.run(coro) if handoff is not None else coro)
+            fut = self.submit(coro)
         except RuntimeError as exc:  # closed
             self.counters.errors += 1
             log.warning("kvstore: %s failed (%s); served as a miss", what, exc)
@@ -263,11 +271,10 @@ class StoreRuntime:
         timeout: float | None = None,
     ) -> T:
         """`call` for a caller running on another event loop (LMCache's)."""
-        timeout = self.cfg.timeout_s if timeout is None else max(0.0, timeout)
+        timeout, handoff, coro = self._bounded(coro, release, timeout)
         inner: concurrent.futures.Future[T] | None = None
-        handoff = _Handoff(release) if release is not None else None
         try:
-            inner = self.submit(handoff.run(coro) if handoff is not None else coro)
+            inner = self.submit(coro)
             waiting = asyncio.wrap_future(inner)
             try:
                 done, _ = await asyncio.wait({waiting}, timeout=timeout)
