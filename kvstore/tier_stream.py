@@ -75,56 +75,83 @@ class ReadResult(NamedTuple):
     size: int  # payload bytes of the stored frame (0 when GONE)
 
 
+class StreamTargets:
+    """The sinks of one streamed read of `names` into `outs` (a `FrameSink` each, whose
+    payload goes straight into its target when the header matches it), and what each
+    found: ``targets[k]`` the tensor its payload went into, ``whole[k]`` not raw (to be
+    read whole and decoded), ``refused[k]`` why its target did not take it.  Setting
+    ``stopped`` (a cancelled read) makes every later header decline its place."""
+
+    def __init__(self, names: Sequence[str], outs: Sequence[Out]) -> None:
+        from kvstore.frame_sink import FrameSink
+
+        n = len(names)
+        self.outs = outs
+        self.targets: list[torch.Tensor | None] = [None] * n
+        self.whole = [False] * n
+        self.refused: list[Exception | None] = [None] * n
+        self.stopped = False
+        self.sinks = [FrameSink(name, self._placer(k)) for k, name in enumerate(names)]
+
+    def _placer(self, k: int) -> Callable[[FrameHeader], memoryview | None]:
+        def place(header: FrameHeader) -> memoryview | None:
+            return self._place(k, header)
+
+        return place
+
+    def _place(self, k: int, header: FrameHeader) -> memoryview | None:
+        import torch
+
+        from kvstore.codec.base import dtype_from_name
+
+        if self.stopped:
+            return None
+        if header.codec != "raw":
+            self.whole[k] = True  # decoded by its codec: read whole
+            return None
+        try:
+            t = self.outs[k]
+            if callable(t):
+                t = t(header)
+            if t is None:
+                return None
+            if (
+                tuple(t.shape) != tuple(header.shape)
+                or t.dtype != dtype_from_name(header.dtype)
+                or t.device.type != "cpu"
+                or not t.is_contiguous()
+            ):
+                raise ValueError(
+                    f"out is {tuple(t.shape)} {t.dtype} on {t.device}; frame holds {header.shape} {header.dtype}"
+                )
+        except Exception as exc:
+            self.refused[k] = exc
+            return None
+        self.targets[k] = t
+        if t.numel() == 0:
+            return memoryview(bytearray(0))
+        return t.reshape(-1).view(torch.uint8).numpy().data
+
+    def clean(self, k: int, verdict: object | None) -> int | None:
+        """The payload bytes of read `k` when it landed whole and verified in its target
+        (`verdict`: what the backend's read returned, None for none); None otherwise (a
+        miss, a defect, a frame to read whole, a declined place: the regular read path
+        knows what each means)."""
+        sink = self.sinks[k]
+        if verdict is None or sink.too_long or self.whole[k] or sink.error is not None or not sink.placed:
+            return None
+        header = sink.header
+        return None if header is None or self.targets[k] is None else header.plen
+
+
 async def read_streamed(
     tier: Tier, names: Sequence[str], outs: Sequence[Out], pool: BufferPool
 ) -> tuple[list[ReadResult], list[int]]:
     """Raw payloads straight into the callers' tensors, hashed block by block as they
     land; also the indices to read whole instead (not raw, or a header too long to
     stream).  A streaming backend (disk) runs `place` on its worker threads."""
-    import torch
-
-    from kvstore.codec.base import dtype_from_name
-    from kvstore.frame_sink import FrameSink
-
-    n = len(names)
-    targets: list[torch.Tensor | None] = [None] * n
-    whole = [False] * n
-    refused: list[Exception | None] = [None] * n
-    stopped = False  # the read was cancelled: allocate nothing more
-
-    def placer(k: int) -> Callable[[FrameHeader], memoryview | None]:
-        def place(header: FrameHeader) -> memoryview | None:
-            if stopped:
-                return None
-            if header.codec != "raw":
-                whole[k] = True  # decoded by its codec: read whole
-                return None
-            try:
-                t = outs[k]
-                if callable(t):
-                    t = t(header)
-                if t is None:
-                    return None
-                if (
-                    tuple(t.shape) != tuple(header.shape)
-                    or t.dtype != dtype_from_name(header.dtype)
-                    or t.device.type != "cpu"
-                    or not t.is_contiguous()
-                ):
-                    raise ValueError(
-                        f"out is {tuple(t.shape)} {t.dtype} on {t.device}; frame holds {header.shape} {header.dtype}"
-                    )
-            except Exception as exc:
-                refused[k] = exc
-                return None
-            targets[k] = t
-            if t.numel() == 0:
-                return memoryview(bytearray(0))
-            return t.reshape(-1).view(torch.uint8).numpy().data
-
-        return place
-
-    sinks = [FrameSink(name, placer(k)) for k, name in enumerate(names)]
+    reads = StreamTargets(names, outs)
+    sinks, targets, whole, refused = reads.sinks, reads.targets, reads.whole, reads.refused
     verdicts: list[object | None]
     started = time.time()  # a defective object is quarantined only if unchanged since (disk)
     if tier.capabilities.streamed_reads:
@@ -136,7 +163,7 @@ async def read_streamed(
             # the read may be writing into the callers' tensors: the caller may free them
             # only once those writes are over (at once for a backend that streams on the
             # event loop; a disk read's worker threads finish their block first)
-            stopped = True
+            reads.stopped = True
             if tier.capabilities.streams_on_loop or tier.capabilities.cancels_cleanly:
                 reading.cancel()
             await wait_out(reading)
@@ -154,7 +181,7 @@ async def read_streamed(
             try:
                 verdicts = await _stream_buffers(raws, sinks)
             except asyncio.CancelledError:
-                stopped = True  # no more places; the copies under way have ended
+                reads.stopped = True  # no more places; the copies under way have ended
                 raise
             del raws
         finally:

@@ -125,6 +125,8 @@ class L2Counters:
     lookup_tasks_at_submit: int = 0  # lookup tasks answered on the server's thread, no hop to the loop
     loads: int = 0
     load_hits: int = 0
+    loads_off_loop: int = 0  # load tasks read and completed on worker threads, no hop to the loop
+    loads_handed_back: int = 0  # of those begun so, tasks the loop read after all (not all clean hits)
     stores: int = 0
     stores_failed: int = 0
     timeouts: int = 0
@@ -495,8 +497,41 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         tid = self._new_id()
         names = self._names(keys)
-        self._start(self._finish_load(tid, names, objects, keys), lambda: self._complete_load(tid, Bitmap(len(keys))))
+        if not self._closed and self._load_now(tid, names, objects, keys):
+            return tid
+        self._load_on_loop(tid, names, objects, keys)
         return tid
+
+    def _load_on_loop(self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey]) -> None:
+        self._start(self._finish_load(tid, names, objects, keys), lambda: self._complete_load(tid, Bitmap(len(keys))))
+
+    def _load_now(self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey]) -> bool:
+        """The load read on worker threads started from this thread, and completed from
+        the last of them (`TieredStore.read_now`: every chunk on one disk tier, the
+        common case), without the hops to the store's loop and back; False when the loop
+        must read it.  A batch that is not all clean hits goes to the loop once nothing
+        writes into the MemoryObjs any more, and is read there as any other."""
+        known = [n for n in names if n is not None]
+        if len(known) != len(names):
+            return False
+        try:
+            outs = [payload_of(obj)[0] for obj in objects]
+        except Exception:  # the loop's read says what is wrong with it
+            return False
+
+        def done(sizes: list[int] | None) -> None:
+            if sizes is None:
+                with self._lock:
+                    self.counters.loads_handed_back += 1
+                self._load_on_loop(tid, names, objects, keys)
+            else:
+                self._loaded(tid, keys, [True] * len(keys), off_loop=True)
+
+        try:
+            return self.runtime.store.read_now(known, outs, done, self.runtime.loop)
+        except Exception as exc:  # a fault here must not fail the load: the loop reads it
+            log.debug("kvstore L2: a load off the loop could not start (%s); reading on the loop", exc)
+            return False
 
     async def _load(self, names: list[str | None], objects: list[MemoryObj]) -> list[bool]:
         known = {i: n for i, n in enumerate(names) if n is not None}
@@ -513,12 +548,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
     ) -> None:
         # a cancelled read returns only once nothing writes into the MemoryObjs any more
         hits = await self._bounded(self._load(names, objects), self.config.store.timeout_s, f"load of {len(keys)} chunk(s)")
+        self._loaded(tid, keys, hits or [False] * len(keys))
+
+    def _loaded(self, tid: L2TaskId, keys: list[ObjectKey], hits: list[bool], *, off_loop: bool = False) -> None:
+        """Count the load and hand its bitmap to LMCache (from the loop, or from the
+        worker thread that finished a load off the loop)."""
         bitmap = Bitmap(len(keys))
-        for i, hit in enumerate(hits or ()):
+        for i, hit in enumerate(hits):
             if hit:
                 bitmap.set(i)
-        self.counters.loads += len(keys)
-        self.counters.load_hits += bitmap.popcount()
+        with self._lock:  # both threads count
+            self.counters.loads += len(keys)
+            self.counters.load_hits += bitmap.popcount()
+            self.counters.loads_off_loop += off_loop
         accessed = [k for i, k in enumerate(keys) if bitmap.test(i)]
         if accessed:
             self._tell("accessed", self._notify_keys_accessed, accessed)

@@ -138,6 +138,20 @@ class BackendStats:
         return asdict(self)
 
 
+#: one object streamed into a sink by a blocking step: (object size, bytes read, the
+#: sink's verdict); raises `OSError` or another exception where it found no usable object
+ReadStep = Callable[[str, StreamSink], "tuple[int, int, object]"]
+
+
+@dataclass(frozen=True)
+class ReadsNow:
+    """A backend's reads off the event loop (`Backend.reader_now`): the step, and how
+    many may run at once."""
+
+    step: ReadStep
+    concurrency: int
+
+
 @dataclass(frozen=True, slots=True)
 class Capabilities:
     """Optional abilities a backend declares (`Backend.capabilities`, set on the class).
@@ -239,6 +253,19 @@ class Backend(abc.ABC):
         """`contains_many` answered at once on the caller's thread (any thread), changing
         nothing, or None where the answer needs the network or the event loop (the
         default).  A lookup that misses asks this before it hops to the store's loop."""
+        return None
+
+    def reader_now(self) -> ReadsNow | None:
+        """Streamed reads of single objects as blocking steps any thread may run, outside
+        the event loop (`kvstore.tiered.direct`), or None where reads need the loop (the
+        default, or not now).  The objects such steps found go on the backend's books through
+        `read_off_loop`."""
+        return None
+
+    def read_off_loop(self, names: Sequence[str], sizes: Sequence[int], got: Sequence[int]) -> None:
+        """On the loop: objects `reader_now`'s steps found (sizes, bytes read) go on the
+        books as the backend's own reads would (a backend without `reader_now`: never
+        called)."""
         return None
 
     def contains_now_batch(self) -> int:

@@ -95,6 +95,7 @@ from kvstore.backends.base import (
     Capabilities,
     Defect,
     ObjectInfo,
+    ReadsNow,
     Value,
     as_parts,
     bytearray_alloc,
@@ -975,6 +976,30 @@ class DiskBackend(Backend):
                 self.counters.misses += 1
                 fault = fault or r
         return fault
+
+    def reader_now(self) -> ReadsNow | None:
+        """One object's streamed read as a blocking step for a thread of the caller's
+        (`kvstore.tiered.direct`: reads whose whole path stays off the event loop), or
+        None when that cannot be done now (the index not open yet, or the backend
+        closed).  A step returns (object size, bytes read, the sink's verdict) or raises
+        (`OSError`, a defect, a name that cannot be an object's): it leaves no trace on
+        the books, the caller reports the objects it found with `read_off_loop`, and
+        reads anything else again through `read_streamed`, which counts and settles it."""
+        opened = self._opened
+        if self._closed or not opened.done() or opened.exception() is not None:
+            return None
+        return ReadsNow(self._step_now, self.concurrency)
+
+    def _step_now(self, name: str, sink: StreamSink) -> tuple[int, int, object]:
+        check_object_name(name)
+        return _stream_one(self.path_of(name), sink, self.max_object_bytes, self.mmap)
+
+    def read_off_loop(self, names: Sequence[str], sizes: Sequence[int], got: Sequence[int]) -> None:
+        """On the loop: objects `reader_now`'s steps found (their sizes, bytes read) go on
+        the books as `read_streamed`'s reads do (counters, sizes, LRU touches)."""
+        for name, size, n in zip(names, sizes, got):
+            self.counters.gets += 1
+            self._read_done(name, size, n)
 
     def _stream_step(self, item: tuple[Path, StreamSink]) -> tuple[int, int, object]:
         return _stream_one(item[0], item[1], self.max_object_bytes, self.mmap)

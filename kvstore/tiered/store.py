@@ -25,6 +25,7 @@ from kvstore.policy import DEFAULT_POLICY, Move, Placement
 from kvstore.store_metrics import StoreMetrics
 from kvstore.tier import Tier
 from kvstore.tier_stream import Out
+from kvstore.tiered.direct import DirectReads, Done
 from kvstore.tiered.guard import TierGuard
 from kvstore.tiered.inflight import InFlight
 from kvstore.tiered.lookup import Lookup
@@ -98,6 +99,7 @@ class TieredStore:
         self.mover = Mover(parts, max_moves)
         self.lookup = Lookup(parts)
         self.reader = Reader(parts, self.lookup, self.mover)
+        self.direct = DirectReads(parts, self.lookup, self.mover)
         self.writer = Writer(parts, self.mover)
 
     @classmethod
@@ -224,6 +226,19 @@ class TieredStore:
         await self._expire(now)
         return await self.reader.get_many(names, out, now)
 
+    def read_now(self, names: Sequence[str], outs: Sequence[Out], done: Done, loop: asyncio.AbstractEventLoop) -> bool:
+        """`get_many` of `names` into `outs` (a tensor each) without this store's event
+        loop (`loop`) on the way: from any thread, the reads start on worker threads at
+        once, and `done` is called from one of them with the payload sizes once every
+        object is in its target, verified, or with None once nothing more is written
+        into the targets and the batch needs `get_many` (a miss, a defect, anything but
+        a clean hit).  False: not started (the names are not all on one tier that can
+        read off the loop, or the books were changing); call `get_many`.  See
+        `kvstore.tiered.direct`."""
+        if self._closed:
+            return False
+        return self.direct.start(names, outs, done, loop)
+
     # -- deletes, pins, expiry -----------------------------------------------------------
     async def delete_many(self, names: Sequence[str]) -> list[bool]:
         """Remove from every tier; True where the name was held.
@@ -315,6 +330,7 @@ class TieredStore:
         if self._closed:
             return
         self._closed = True
+        await self.direct.close()  # (their bookkeeping may start promotions: before the drain)
         await self.drain()
         for tier in self.tiers:
             await tier.close()

@@ -84,6 +84,32 @@ def test_store_lookup_load_bytes_equal(make_adapter, tmp_path):
     assert usage.total_bytes_used == sum(t.nbytes for t in tensors)
 
 
+def test_loads_from_a_disk_tier_are_read_and_completed_off_the_loop(make_adapter, tmp_path):
+    """A load task whose chunks all sit on a disk tier is read on worker threads started
+    from LMCache's thread and completed from the last of them (no hop to the store's
+    loop); a chunk that is not a clean hit sends the task to the loop's read, which
+    quarantines it: a miss for that chunk only."""
+    ad = make_adapter([f"file://{tmp_path}/disk?fsync=false"])
+    keys = [okey(i) for i in range(3)]
+    tensors = [kv(i) for i in range(3)]
+    assert store(ad, keys, tensors)
+    assert lookup(ad, keys) == [True] * 3
+    got = load(ad, keys)
+    assert all(g is not None and torch.equal(g, t) for g, t in zip(got, tensors))
+    assert (ad.counters.loads_off_loop, ad.counters.loads_handed_back, ad.counters.load_hits) == (1, 0, 3)
+    files = sorted(p for p in (tmp_path / "disk" / "objects").rglob("*") if p.is_file())
+    raw = bytearray(files[0].read_bytes())
+    raw[-7] ^= 0x10
+    files[0].write_bytes(bytes(raw))
+    time.sleep(0.1)  # (a read quarantines only a file older than its start)
+    got = load(ad, keys)
+    assert sum(g is None for g in got) == 1, "the flipped chunk is a miss, the others load"
+    assert all(torch.equal(g, t) for g, t in zip(got, tensors) if g is not None)
+    assert ad.counters.loads_handed_back == 1
+    assert any((tmp_path / "disk" / "quarantine").iterdir())
+    assert ad.runtime.store.stats().tiers[0].hits == 5
+
+
 def test_store_tasks_into_a_full_tier_succeed_and_the_newest_are_loaded(make_adapter, tmp_path):
     """Once a bounded tier is full, each store task of fresh chunks still succeeds (the
     default policy makes room with older chunks, never with the task's own) and its
@@ -519,7 +545,11 @@ def test_close_fails_a_load_stuck_on_a_tier_and_later_tasks_raise_nothing(make_a
         published_at_close.append(tid in ad._done_loads)
         await close()
 
-    with mock.patch.object(ad.runtime.store, "get_many", stuck), mock.patch.object(ad.runtime.store, "close", closing):
+    with (
+        mock.patch.object(ad.runtime.store, "get_many", stuck),
+        mock.patch.object(ad.runtime.store, "read_now", lambda *_a: False),  # (the loop's read path)
+        mock.patch.object(ad.runtime.store, "close", closing),
+    ):
         tid = ad.submit_load_task(keys[:1], [memory_obj(torch.zeros(SHAPE, dtype=torch.bfloat16))])
         assert started.wait(10)
         t0 = time.monotonic()

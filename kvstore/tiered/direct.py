@@ -1,0 +1,243 @@
+"""Reads whose whole path stays off the event loop: a batch one disk tier holds, streamed
+into the callers' tensors on worker threads started from the caller's thread, and
+answered from the thread that finished last.
+
+Owns: `DirectReads`: whether a batch can be read this way (decided on the caller's
+thread from the books, under their seqlock, as `Lookup.known` does), the worker threads
+that read it (at most the tier's read concurrency, and no more than this process has
+CPUs), and the batch's bookkeeping (hits, LRU touches, promotions, metrics), sent to the
+loop once the caller has its answer.  Must not touch: anything but a clean hit.  A miss,
+a defect, a frame to decode, a target that does not fit: the whole batch is then left
+to the regular read path (`kvstore.tiered.reads.Reader`), which counts, quarantines and
+reads lower tiers, and the direct read leaves no trace on the books.
+
+Why: a page-cache-warm load of a few 5.6 MiB chunks on a two-core machine spent about as
+long in hops (the caller's thread to the loop, the loop to the disk workers, and back)
+and in the loop's steps between them as in its copies.  Here the caller's thread hands
+the reads to the workers, and the last worker answers the caller.
+
+What a direct read checks is what a streamed read checks (`kvstore.frame_sink`: the key,
+the length, the checksum, the shape and dtype against the target).  A name the books
+place in one tier, with no write, copy or landing of it under way, is read from that
+tier's file; a file deleted or replaced meanwhile is a failed step (the regular path
+then decides) or the whole object of the same key that replaced it, verified as any
+other.  A batch still reading after the tier's deadline sends every later batch to the
+regular path, whose deadline and breaker take it from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvstore.namespaces import namespace_of
+from kvstore.policy import NO_META, Move
+from kvstore.tier_stream import Out, StreamTargets
+
+if TYPE_CHECKING:
+    from kvstore.backends.base import ReadsNow, ReadStep
+    from kvstore.tiered.lookup import Lookup
+    from kvstore.tiered.moves import Mover
+    from kvstore.tiered.parts import Parts
+
+log = logging.getLogger(__name__)
+
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+#: told the payload bytes of every name (all read, verified, in their targets), or None:
+#: nothing usable was read, the regular path must read the batch (it is the caller's)
+Done = Callable[[list[int] | None], None]
+
+
+class _Batch:
+    """One direct read: items taken from one queue by its worker jobs."""
+
+    def __init__(
+        self, j: int, names: Sequence[str], outs: Sequence[Out], step: ReadStep, done: Done, jobs: int,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.j = j
+        self.loop = loop
+        self.names = list(names)
+        self.reads = StreamTargets(names, outs)
+        self.step = step
+        self.done = done
+        self.results: list[tuple[int, int, object] | None] = [None] * len(names)
+        self.queue: deque[int] = deque(range(len(names)))
+        self.jobs = jobs
+        self.started = time.monotonic()
+        self.t0 = time.perf_counter()
+
+
+class DirectReads:
+    """See the module docstring.  `start` on any thread; `close` on the loop."""
+
+    def __init__(self, parts: Parts, lookup: Lookup, mover: Mover) -> None:
+        self.p = parts
+        self.lookup = lookup
+        self.mover = mover
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._under_way: set[_Batch] = set()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+        self.started = 0  # batches read this way
+        self.handed_back = 0  # batches left to the regular path after their direct read
+
+    # -- on the caller's thread ------------------------------------------------------------
+    def start(self, names: Sequence[str], outs: Sequence[Out], done: Done, loop: asyncio.AbstractEventLoop) -> bool:
+        """Read `names` into `outs` off the loop and call `done` from a worker thread;
+        False (nothing started, `done` never called) when the batch must go the regular
+        way: not every name placed in the same tier and settled there, that tier not one
+        whose reads can run off the loop, its breaker not closed, or the books changing
+        while they were read.  `loop` is the store's (the bookkeeping runs there)."""
+        plan = self._plan(names)
+        if plan is None:
+            return False
+        j, reads = plan
+        workers = max(1, min(reads.concurrency, _CPUS))
+        batch = _Batch(j, names, outs, reads.step, done, min(workers, len(names)), loop)
+        with self._lock:
+            if self._closed or self._overdue():
+                return False
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-read")
+            pool = self._pool
+            self._under_way.add(batch)
+            self.started += 1
+        for _ in range(batch.jobs):
+            try:
+                pool.submit(self._job, batch)
+            except RuntimeError:  # the interpreter is shutting down: this job never runs
+                self._job_ended(batch)
+        return True
+
+    def _plan(self, names: Sequence[str]) -> tuple[int, ReadsNow] | None:
+        """The tier holding every name, and its reads off the loop; None: the regular path."""
+        p = self.p
+        if self._closed or not names:
+            return None
+        stamp = p.stamp()
+        if stamp is None:
+            return None
+        now = p.clock()
+        inflight = p.inflight
+        j: int | None = None
+        for name in names:
+            t = self.lookup.visible(name, now)
+            if t is None or (j is not None and t != j) or inflight.busy(name) or inflight.source(name, t) != t:
+                return None
+            j = t
+        assert j is not None
+        if not p.guard.available(j):
+            return None
+        reads = p.tiers[j].backend.reader_now()
+        if reads is None or not p.unchanged_since(stamp):
+            return None
+        return j, reads
+
+    def _overdue(self) -> bool:
+        """A batch has been reading for longer than a tier's deadline (under the lock)."""
+        timeout = self.p.guard.timeout
+        if timeout is None or not self._under_way:
+            return False
+        now = time.monotonic()
+        return any(now - b.started > timeout for b in self._under_way)
+
+    # -- on the worker threads -------------------------------------------------------------
+    def _job(self, batch: _Batch) -> None:
+        sinks = batch.reads.sinks
+        try:
+            while True:
+                try:
+                    k = batch.queue.popleft()  # atomic: two jobs never take the same item
+                except IndexError:
+                    return
+                try:
+                    batch.results[k] = batch.step(batch.names[k], sinks[k])
+                except Exception:  # the regular path reads it again and says what it is
+                    batch.queue.clear()  # the batch is the regular path's: read no more
+                    return
+        finally:
+            self._job_ended(batch)
+
+    def _job_ended(self, batch: _Batch) -> None:
+        with self._lock:
+            batch.jobs -= 1
+            if batch.jobs:
+                return
+        self._finish(batch)
+
+    def _finish(self, batch: _Batch) -> None:
+        """The last job's end: answer the caller, then send the bookkeeping to the loop."""
+        reads = batch.reads
+        sizes = [reads.clean(k, r[2] if r is not None else None) for k, r in enumerate(batch.results)]
+        clean = [s for s in sizes if s is not None]
+        ok = len(clean) == len(sizes)
+        try:
+            if ok:
+                got = [r for r in batch.results if r is not None]
+                try:  # queued before the caller hears, so a close waiting for this batch runs it first
+                    batch.loop.call_soon_threadsafe(self._settle, batch.j, batch.names, [r[0] for r in got], [r[1] for r in got], batch.t0)
+                except RuntimeError:  # the loop is closed: nothing keeps books any more
+                    pass
+            else:
+                self.handed_back += 1
+            try:
+                batch.done(clean if ok else None)
+            except Exception:
+                log.exception("kvstore: a direct read's caller failed on its answer")
+        finally:
+            with self._lock:
+                self._under_way.discard(batch)
+                if not self._under_way:
+                    self._idle.notify_all()
+
+    # -- on the loop -----------------------------------------------------------------------
+    def _settle(self, j: int, names: list[str], sizes: list[int], got: list[int], t0: float) -> None:
+        """What a regular read does to the books after a hit: the backend's (sizes, LRU),
+        the tier's and the store's counters and metrics, the engine's hit (promotions)."""
+        p = self.p
+        tier = p.tiers[j]
+        tier.backend.read_off_loop(names, sizes, got)
+        tier.counters.hits += len(names)
+        label = p.labels[j]
+        p.metrics.op_seconds.labels("get", label).observe(time.perf_counter() - t0)
+        moves: list[Move] = []
+        with p.changing():  # a hit may promote, and so choose victims: one stretch
+            for name in names:
+                ns = namespace_of(name)
+                p.metrics.hits.labels(label, ns).inc()
+                p.metrics.bytes_out.labels(label, ns).inc(p.placement.tiers[j].resident.get(name, 0))
+                moves.extend(p.placement.hit(name, NO_META, p.inflight))
+        if moves:
+            self.mover.begin(moves)  # its tasks are the mover's: `drain` waits for them
+        p.update_gauges()
+
+    async def close(self) -> None:
+        """Start no more batches; wait for the ones under way (they write into their
+        callers' tensors, which may be freed once the store is closed)."""
+        with self._lock:
+            self._closed = True
+            busy = bool(self._under_way)
+            pool, self._pool = self._pool, None
+        if busy:
+            await asyncio.to_thread(self._wait_idle)
+            await asyncio.sleep(0)  # the batches' bookkeeping, queued before they ended
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+    def _wait_idle(self) -> None:
+        with self._idle:
+            while self._under_way:
+                self._idle.wait()
+
+
+__all__ = ["DirectReads", "Done"]

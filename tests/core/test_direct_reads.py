@@ -1,0 +1,163 @@
+"""Reads off the event loop (`TieredStore.read_now`): a batch one disk tier holds is read
+on worker threads started from the caller's thread.  A clean batch lands bytes equal and
+goes on the books as a regular read would (hits, promotions); anything else is handed
+back untouched for the regular path, which finds and settles what is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kvstore.backends.base import ReadsNow
+from kvstore.backends.disk import DiskBackend
+from kvstore.tiered import TieredStore
+
+NAMES = [f"ns/m/f-1-0/{i}" for i in range(4)]
+
+
+def _tensors(n: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(256, 1024, generator=g).to(torch.bfloat16) for _ in range(n)]  # 512 KiB each
+
+
+async def _read_now(st: TieredStore, names, outs) -> tuple[bool, list[int] | None, str]:
+    """(started, what `done` was told, the thread that told it)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[tuple[list[int] | None, str]] = loop.create_future()
+
+    def done(sizes: list[int] | None) -> None:
+        told = (sizes, threading.current_thread().name)
+        loop.call_soon_threadsafe(fut.set_result, told)
+
+    started = await asyncio.to_thread(st.read_now, names, outs, done, loop)  # from another thread, as LMCache's
+    if not started:
+        return False, None, ""
+    sizes, thread = await asyncio.wait_for(fut, 30)
+    return True, sizes, thread
+
+
+async def test_a_clean_batch_lands_bytes_equal_off_the_loop_and_counts_as_hits(tmp_path: Path) -> None:
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+    data = _tensors()
+    assert await st.put_many(list(zip(NAMES, data))) == [True] * 4
+    outs = [torch.zeros_like(t) for t in data]
+    hits0 = st.stats().tiers[0].hits
+    started, sizes, thread = await _read_now(st, NAMES, outs)
+    assert started and sizes == [t.nbytes for t in data]
+    assert thread.startswith("kvstore-read"), "answered from a worker thread, not the loop"
+    assert all(torch.equal(a, b) for a, b in zip(data, outs))
+    assert st.stats().tiers[0].hits == hits0 + 4, "the reads went on the books as hits"
+    assert st.tiers[0].backend.counters.hits == 4
+    await st.close()
+
+
+async def test_a_hit_on_the_disk_tier_is_promoted_as_a_regular_read_is(tmp_path: Path) -> None:
+    data = _tensors(2)
+    st = TieredStore.from_urls([f"mem://direct-{tmp_path.name}?capacity=700KiB", f"file://{tmp_path / 'd'}?fsync=false"])
+    for name, t in zip(NAMES, data):  # the second moves the first down to the disk tier
+        assert await st.put_many([(name, t)]) == [True]
+    await st.drain()
+    assert st.placement.where(NAMES[0]) == 1
+    out = torch.zeros_like(data[0])
+    started, sizes, _ = await _read_now(st, NAMES[:1], [out])
+    assert started and sizes == [data[0].nbytes] and torch.equal(out, data[0])
+    await st.drain()
+    assert st.placement.where(NAMES[0]) == 0, "the hit promoted it into the memory tier"
+    assert st.stats().tiers[0].promotions_in == 1
+    assert await st.tiers[0].contains_many([NAMES[0]]) == [True]
+    await st.close()
+
+
+async def test_a_corrupt_object_is_handed_back_and_the_regular_read_quarantines_it(tmp_path: Path) -> None:
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+    data = _tensors()
+    await st.put_many(list(zip(NAMES, data)))
+    backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
+    path = backend.path_of(NAMES[2])
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x01
+    path.write_bytes(bytes(raw))
+    await asyncio.sleep(0.1)  # (a read quarantines only a file older than its start)
+    outs = [torch.zeros_like(t) for t in data]
+    started, sizes, _ = await _read_now(st, NAMES, outs)
+    assert started and sizes is None, "not all clean: handed back"
+    assert st.tiers[0].counters.corrupt == 0 and backend.counters.hits == 0, "and left no trace on the books"
+    got = await st.get_many(NAMES, out=outs)  # what the caller then does
+    assert [g is not None for g in got] == [True, True, False, True]
+    assert st.tiers[0].counters.corrupt == 1
+    assert any((tmp_path / "d" / "quarantine").iterdir())
+    await st.close()
+
+
+async def test_a_file_removed_behind_the_store_is_handed_back_then_a_miss(tmp_path: Path) -> None:
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+    data = _tensors(2)
+    await st.put_many(list(zip(NAMES[:2], data)))
+    backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
+    backend.path_of(NAMES[1]).unlink()
+    outs = [torch.zeros_like(t) for t in data]
+    started, sizes, _ = await _read_now(st, NAMES[:2], outs)
+    assert started and sizes is None
+    got = await st.get_many(NAMES[:2], out=outs)
+    assert got[0] is not None and got[1] is None
+    assert await st.contains_many(NAMES[:2]) == [True, False]
+    await st.close()
+
+
+async def test_batches_the_books_cannot_place_on_one_disk_tier_go_the_regular_way(tmp_path: Path) -> None:
+    st = TieredStore.from_urls([f"mem://direct2-{tmp_path.name}?capacity=64MiB", f"file://{tmp_path / 'd'}?fsync=false"])
+    data = _tensors(2)
+    await st.put_many([(NAMES[0], data[0])])
+    outs = [torch.zeros_like(t) for t in data]
+    assert (await _read_now(st, NAMES[:1], outs[:1]))[0] is False, "the memory tier reads on the loop"
+    assert (await _read_now(st, NAMES[1:2], outs[1:2]))[0] is False, "a name the books do not hold"
+    assert (await _read_now(st, [], []))[0] is False
+    await st.close()
+    st2 = TieredStore.from_urls([f"file://{tmp_path / 'e'}?fsync=false"])
+    await st2.put_many([(NAMES[0], data[0])])
+    st2.breakers[0].record(False)  # the tier's breaker is open
+    assert (await _read_now(st2, NAMES[:1], outs[:1]))[0] is False
+    await st2.close()
+
+
+def _slow(backend: DiskBackend, gate: threading.Event, began: threading.Event) -> None:
+    real = backend.reader_now()
+    assert real is not None
+
+    def step(name, sink):
+        began.set()
+        assert gate.wait(30)
+        return real.step(name, sink)
+
+    backend.reader_now = lambda: ReadsNow(step, 1)  # type: ignore[method-assign]
+
+
+async def test_close_waits_for_a_batch_under_way_and_a_stuck_one_sends_later_batches_the_regular_way(
+    tmp_path: Path,
+) -> None:
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], tier_timeout=0.2)
+    data = _tensors(2)
+    await st.put_many(list(zip(NAMES[:2], data)))
+    backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
+    gate, began = threading.Event(), threading.Event()
+    _slow(backend, gate, began)
+    loop = asyncio.get_running_loop()
+    told: list[list[int] | None] = []
+    out = torch.zeros_like(data[0])
+    assert st.read_now(NAMES[:1], [out], told.append, loop)
+    assert await asyncio.to_thread(began.wait, 10)
+    await asyncio.sleep(0.3)  # longer than the tier's deadline
+    assert not st.read_now(NAMES[1:2], [torch.zeros_like(data[1])], told.append, loop), "overdue: regular path"
+    closing = asyncio.ensure_future(st.close())
+    await asyncio.sleep(0.2)
+    assert not closing.done(), "close waits: the batch still writes into its caller's tensor"
+    gate.set()
+    t0 = time.monotonic()
+    await asyncio.wait_for(closing, 10)
+    assert time.monotonic() - t0 < 5
+    assert told == [[data[0].nbytes]] and torch.equal(out, data[0])
+    assert not st.read_now(NAMES[:1], [out], told.append, loop), "closed: nothing starts"
