@@ -19,7 +19,10 @@ task, and the byte accounting LMCache's own L2 eviction and listing read.  Must 
 touch: storage logic (the store), LMCache's threads (every task runs on the runtime's
 own loop and signals its event fd when done; a lookup the store's books can answer, the
 common case, is answered and signalled before `submit_lookup_and_lock_task` returns,
-without the two thread hops).
+without the two thread hops; a load whose chunks all sit on a disk tier is read on the
+store's worker threads, started from LMCache's thread, and signalled from the last of
+them, `TieredStore.read_now`, with the loop's read path taking any batch that is not all
+clean hits).
 
 Every task ends: a tier that fails or misses its deadline (half of ``timeout_s``) is a
 miss (or a failed store) for that tier only, never an exception in the server; its

@@ -21,8 +21,13 @@ the length, the checksum, the shape and dtype against the target).  A name the b
 place in one tier, with no write, copy or landing of it under way, is read from that
 tier's file; a file deleted or replaced meanwhile is a failed step (the regular path
 then decides) or the whole object of the same key that replaced it, verified as any
-other.  A batch still reading after the tier's deadline sends every later batch to the
-regular path, whose deadline and breaker take it from there.
+other.  Only raw frames are read this way (a codec's frames decode on the loop's path).
+
+Deadlines: a batch past the tier's deadline begins no more objects and is handed back,
+and while one is still reading past it every later batch goes the regular way, whose
+deadline and breaker take it from there.  `close` stops every batch the same way and
+waits only for the objects under way.  These reads do not take the disk tier's own
+read slots (its ``concurrency``): a load off the loop and one on it may read at once.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ if TYPE_CHECKING:
     from kvstore.tiered.lookup import Lookup
     from kvstore.tiered.moves import Mover
     from kvstore.tiered.parts import Parts
+    from kvstore.tiered.reads import Reader
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +81,19 @@ class _Batch:
         self.started = time.monotonic()
         self.t0 = time.perf_counter()
 
+    def stop(self) -> None:
+        """Begin no more objects (those under way finish: they write into the targets)."""
+        self.reads.stopped = True
+        self.queue.clear()
+
 
 class DirectReads:
     """See the module docstring.  `start` on any thread; `close` on the loop."""
 
-    def __init__(self, parts: Parts, lookup: Lookup, mover: Mover) -> None:
+    def __init__(self, parts: Parts, lookup: Lookup, reader: Reader, mover: Mover) -> None:
         self.p = parts
         self.lookup = lookup
+        self.reader = reader
         self.mover = mover
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -136,7 +148,7 @@ class DirectReads:
                 return None
             j = t
         assert j is not None
-        if not p.guard.available(j):
+        if not p.guard.available(j) or p.tiers[j].codec.name != "raw":  # (a codec decodes on the loop's path)
             return None
         reads = p.tiers[j].backend.reader_now()
         if reads is None or not p.unchanged_since(stamp):
@@ -153,17 +165,25 @@ class DirectReads:
 
     # -- on the worker threads -------------------------------------------------------------
     def _job(self, batch: _Batch) -> None:
-        sinks = batch.reads.sinks
+        reads = batch.reads
+        timeout = self.p.guard.timeout
         try:
             while True:
                 try:
                     k = batch.queue.popleft()  # atomic: two jobs never take the same item
                 except IndexError:
                     return
+                if timeout is not None and time.monotonic() - batch.started > timeout:
+                    batch.stop()  # past the tier's deadline: the regular path's deadline and breaker decide
+                    return
                 try:
-                    batch.results[k] = batch.step(batch.names[k], sinks[k])
+                    result = batch.step(batch.names[k], reads.sinks[k])
                 except Exception:  # the regular path reads it again and says what it is
-                    batch.queue.clear()  # the batch is the regular path's: read no more
+                    batch.stop()
+                    return
+                batch.results[k] = result
+                if reads.clean(k, result[2]) is None:  # not a clean hit: the batch is the regular path's
+                    batch.stop()
                     return
         finally:
             self._job_ended(batch)
@@ -189,7 +209,8 @@ class DirectReads:
                 except RuntimeError:  # the loop is closed: nothing keeps books any more
                     pass
             else:
-                self.handed_back += 1
+                with self._lock:
+                    self.handed_back += 1
             try:
                 batch.done(clean if ok else None)
             except Exception:
@@ -203,13 +224,15 @@ class DirectReads:
     # -- on the loop -----------------------------------------------------------------------
     def _settle(self, j: int, names: list[str], sizes: list[int], got: list[int], t0: float) -> None:
         """What a regular read does to the books after a hit: the backend's (sizes, LRU),
-        the tier's and the store's counters and metrics, the engine's hit (promotions)."""
+        the reader's (the tier answered: failed-read streaks), the tier's and the store's
+        counters and metrics, the engine's hit (promotions)."""
         p = self.p
         tier = p.tiers[j]
         tier.backend.read_off_loop(names, sizes, got)
         tier.counters.hits += len(names)
         label = p.labels[j]
         p.metrics.op_seconds.labels("get", label).observe(time.perf_counter() - t0)
+        self.reader.answered(j, names)  # (a tier answering: other names' failed reads count)
         moves: list[Move] = []
         with p.changing():  # a hit may promote, and so choose victims: one stretch
             for name in names:
@@ -217,16 +240,18 @@ class DirectReads:
                 p.metrics.hits.labels(label, ns).inc()
                 p.metrics.bytes_out.labels(label, ns).inc(p.placement.tiers[j].resident.get(name, 0))
                 moves.extend(p.placement.hit(name, NO_META, p.inflight))
-        if moves:
             self.mover.begin(moves)  # its tasks are the mover's: `drain` waits for them
         p.update_gauges()
 
     async def close(self) -> None:
-        """Start no more batches; wait for the ones under way (they write into their
-        callers' tensors, which may be freed once the store is closed)."""
+        """Start no more batches; stop the ones under way (their objects not begun are
+        never read: they are handed back) and wait for the objects under way (they write
+        into their callers' tensors, which may be freed once the store is closed)."""
         with self._lock:
             self._closed = True
             busy = bool(self._under_way)
+            for batch in self._under_way:
+                batch.stop()
             pool, self._pool = self._pool, None
         if busy:
             await asyncio.to_thread(self._wait_idle)

@@ -55,10 +55,6 @@ class Mover:
         # waits for it (`settled`), so the object before cannot land over the new one
         self.copying_into: list[Counter[str]] = [Counter() for _ in parts.tiers]
 
-    async def carry_out(self, moves: Sequence[Move]) -> None:
-        """`begin` the moves, then wait for their drops (`finish`)."""
-        await self.finish(self.begin(moves))
-
     def begin(self, moves: Sequence[Move]) -> asyncio.Task[Any] | None:
         """Carry out the engine's moves, all bookkeeping now (in one step, so a caller
         cancelled afterwards cannot leave it half done: a copy decided and never run

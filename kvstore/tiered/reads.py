@@ -90,7 +90,8 @@ class Reader:
                     p.metrics.misses.labels(namespace_of(name)).inc()
                     continue
                 moves.extend(p.placement.hit(name, NO_META, p.inflight))
-        await self.mover.carry_out(moves)
+            drops = self.mover.begin(moves)  # (in the stretch: a copy's landing marks with its placing)
+        await self.mover.finish(drops)
         p.update_gauges()
         return result
 
@@ -122,6 +123,14 @@ class Reader:
             for n, r in zip(names, got):
                 self._answered(j, n, r)
         return got
+
+    def answered(self, j: int, names: Sequence[str]) -> None:
+        """Tier `j` answered a read of `names`, all found (`kvstore.tiered.direct`'s
+        reads, settled after the fact), as `read_tier` counts a batch that answered."""
+        self._answers[j] += 1
+        if self._unanswered:
+            for name in names:
+                self._unanswered.pop((j, name), None)
 
     def _answered(self, j: int, name: str, r: ReadResult) -> ReadResult:
         if r.status != UNAVAILABLE:  # (a read the tier did not answer continues a streak)

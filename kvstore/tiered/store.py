@@ -99,7 +99,7 @@ class TieredStore:
         self.mover = Mover(parts, max_moves)
         self.lookup = Lookup(parts)
         self.reader = Reader(parts, self.lookup, self.mover)
-        self.direct = DirectReads(parts, self.lookup, self.mover)
+        self.direct = DirectReads(parts, self.lookup, self.reader, self.mover)
         self.writer = Writer(parts, self.mover)
 
     @classmethod
@@ -256,7 +256,8 @@ class TieredStore:
                     unknown.append(i)
                 moves.extend(self.placement.delete(name))
                 self.book.discard(name)
-        await self.mover.carry_out(moves)
+            drops = self.mover.begin(moves)
+        await self.mover.finish(drops)
         if unknown:
             asked = [names[i] for i in unknown]
             for held in await self.mover.delete_each([(j, asked) for j in range(len(self.tiers))]):
@@ -284,7 +285,8 @@ class TieredStore:
                 moves.extend(self.placement.delete(name))
                 self.book.discard(name)
                 self.metrics.expired.labels(namespace_of(name)).inc()
-        await self.mover.carry_out(moves)
+            drops = self.mover.begin(moves)
+        await self.mover.finish(drops)
 
     async def drain(self) -> None:
         """Wait until every background copy has finished."""

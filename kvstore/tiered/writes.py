@@ -56,11 +56,13 @@ class Writer:
         # and a reader on another thread knows one is being made: `Parts.changing`)
         with p.changing():
             ticket, writes, moves = self._plan(items, frames, results, chained, parent, now)
+            # (now: a cancel later must not leave the moves half done; in the stretch: a
+            # copy's landing marks go with its placing)
+            sending = self.mover.begin(moves)
 
         by_tier: dict[int, list[tuple[int, Write]]] = {}
         for i, w in writes:
             by_tier.setdefault(w.dst, []).append((i, w))
-        sending = self.mover.begin(moves)  # (now: a cancel later must not leave the moves half done)
         reported: set[tuple[str, int]] = set()  # (name, tier) writes whose outcome is on the books
         try:  # (completing the ticket however this ends: else its names stay invisible)
             await self._seal_shared(frames, writes)

@@ -124,40 +124,108 @@ async def test_batches_the_books_cannot_place_on_one_disk_tier_go_the_regular_wa
     await st2.close()
 
 
-def _slow(backend: DiskBackend, gate: threading.Event, began: threading.Event) -> None:
+def _slow(backend: DiskBackend, gate: threading.Event | None, began: threading.Event, sleep_s: float = 0.0) -> list[str]:
+    """One object at a time; each step signals `began`, then waits for `gate` (or
+    sleeps); returns the names stepped."""
     real = backend.reader_now()
     assert real is not None
+    stepped: list[str] = []
 
     def step(name, sink):
+        stepped.append(name)
         began.set()
-        assert gate.wait(30)
+        if gate is not None:
+            assert gate.wait(30)
+        time.sleep(sleep_s)
         return real.step(name, sink)
 
     backend.reader_now = lambda: ReadsNow(step, 1)  # type: ignore[method-assign]
+    return stepped
 
 
-async def test_close_waits_for_a_batch_under_way_and_a_stuck_one_sends_later_batches_the_regular_way(
-    tmp_path: Path,
-) -> None:
-    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], tier_timeout=0.2)
+async def test_close_stops_a_batch_under_way_and_waits_for_its_object_in_progress(tmp_path: Path) -> None:
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
     data = _tensors(2)
     await st.put_many(list(zip(NAMES[:2], data)))
     backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
     gate, began = threading.Event(), threading.Event()
-    _slow(backend, gate, began)
+    stepped = _slow(backend, gate, began)
     loop = asyncio.get_running_loop()
     told: list[list[int] | None] = []
-    out = torch.zeros_like(data[0])
-    assert st.read_now(NAMES[:1], [out], told.append, loop)
+    outs = [torch.zeros_like(t) for t in data]
+    assert st.read_now(NAMES[:2], outs, told.append, loop)
     assert await asyncio.to_thread(began.wait, 10)
-    await asyncio.sleep(0.3)  # longer than the tier's deadline
-    assert not st.read_now(NAMES[1:2], [torch.zeros_like(data[1])], told.append, loop), "overdue: regular path"
     closing = asyncio.ensure_future(st.close())
     await asyncio.sleep(0.2)
-    assert not closing.done(), "close waits: the batch still writes into its caller's tensor"
+    assert not closing.done(), "close waits: the object under way still writes into its caller's tensor"
     gate.set()
-    t0 = time.monotonic()
     await asyncio.wait_for(closing, 10)
-    assert time.monotonic() - t0 < 5
-    assert told == [[data[0].nbytes]] and torch.equal(out, data[0])
-    assert not st.read_now(NAMES[:1], [out], told.append, loop), "closed: nothing starts"
+    assert stepped == NAMES[:1], "the object not begun was never read"
+    assert told == [None], "handed back: the caller's regular read (refused once closed) decides"
+    assert not st.read_now(NAMES[:1], outs[:1], told.append, loop), "closed: nothing starts"
+
+
+async def test_a_batch_past_the_tier_deadline_is_handed_back_and_later_batches_go_the_regular_way(
+    tmp_path: Path,
+) -> None:
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], tier_timeout=0.2)
+    data = _tensors(3)
+    await st.put_many(list(zip(NAMES[:3], data)))
+    backend: DiskBackend = st.tiers[0].backend  # type: ignore[assignment]
+    began = threading.Event()
+    stepped = _slow(backend, None, began, sleep_s=0.5)
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[list[int] | None] = loop.create_future()
+    outs = [torch.zeros_like(t) for t in data]
+    t0 = time.monotonic()
+    assert st.read_now(NAMES[:2], outs[:2], lambda s: loop.call_soon_threadsafe(fut.set_result, s), loop)
+    assert await asyncio.to_thread(began.wait, 10)
+    await asyncio.sleep(0.3)  # the batch is past the tier's deadline, its first object still reading
+    assert not st.read_now(NAMES[2:3], outs[2:3], lambda s: None, loop), "overdue: the regular path"
+    assert await asyncio.wait_for(fut, 10) is None
+    assert time.monotonic() - t0 < 0.9, "one object's time, not the batch's"
+    assert stepped == NAMES[:1]
+    await st.close()
+
+
+async def test_a_tier_with_a_codec_reads_on_the_loop(tmp_path: Path) -> None:
+    st = TieredStore.from_urls([(f"file://{tmp_path / 'd'}?fsync=false", "cachegen")])
+    t = torch.randn(2, 4, 256, 128).to(torch.bfloat16)
+    assert await st.put_many([(NAMES[0], t)]) == [True]
+    assert (await _read_now(st, NAMES[:1], [torch.zeros_like(t)]))[0] is False
+    await st.close()
+
+
+async def test_clean_reads_off_the_loop_still_let_an_unreadable_object_leave_the_books(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A chunk every read of which fails (EIO), loaded alone between clean loads of other
+    chunks, leaves the books after its streak, as it does when every read is the loop's."""
+    import errno
+
+    import kvstore.backends.disk as disk
+    import kvstore.tiered.reads as reads
+
+    real = disk._stream_one
+
+    def flaky(path, sink, *a):
+        if path.name.endswith(disk.encode_filename(NAMES[0])):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, sink, *a)
+
+    monkeypatch.setattr(disk, "_stream_one", flaky)
+    now = [1000.0]
+    monkeypatch.setattr(reads, "clock", lambda: now[0])
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], tier_timeout=5)
+    t = torch.randn(64, 64)
+    await st.put_many([(NAMES[0], t), (NAMES[1], t)])
+    for _ in range(6):
+        out = torch.zeros_like(t)
+        started, sizes, _ = await _read_now(st, NAMES[:1], [out])  # (not started once off the books)
+        assert sizes is None
+        assert await st.get_many(NAMES[:1], out=[out]) == [None]
+        started, sizes, _ = await _read_now(st, NAMES[1:2], [out])
+        assert started and sizes is not None
+        now[0] += 20
+    assert st.placement.where(NAMES[0]) is None and await st.contains_many(NAMES[:2]) == [False, True]
+    await st.close()
