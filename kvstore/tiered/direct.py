@@ -255,7 +255,9 @@ class DirectReads:
             pool, self._pool = self._pool, None
         if busy:
             await asyncio.to_thread(self._wait_idle)
-            await asyncio.sleep(0)  # the batches' bookkeeping, queued before they ended
+        # the bookkeeping of batches that ended (queued before they did) runs before the
+        # store drains its moves and closes its tiers
+        await asyncio.sleep(0)
         if pool is not None:
             pool.shutdown(wait=False)
 
