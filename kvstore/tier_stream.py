@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple, Union
 
 from kvstore.backends.base import Defect
@@ -76,28 +77,29 @@ class ReadResult(NamedTuple):
 
 
 class StreamTargets:
-    """The sinks of one streamed read of `names` into `outs` (a `FrameSink` each, whose
-    payload goes straight into its target when the header matches it), and what each
-    found: ``targets[k]`` the tensor its payload went into, ``whole[k]`` not raw (to be
-    read whole and decoded), ``refused[k]`` why its target did not take it.  Setting
-    ``stopped`` (a cancelled read) makes every later header decline its place."""
+    """Where one streamed read into `outs` puts each payload (`sinks`: a `FrameSink`
+    per name, whose payload goes straight into its target when the header matches it),
+    and what each found: ``targets[k]`` the tensor its payload went into, ``whole[k]``
+    not raw (to be read whole and decoded), ``refused[k]`` why its target did not take
+    it.  Setting ``stopped`` (a cancelled read) makes every later header decline its
+    place.  The sinks refer to this object, not it to them: no reference cycle, so a
+    read's sinks go when their last user drops them (a cycle per read left them to the
+    collector, whose full passes over a process holding LMCache and torch took
+    milliseconds)."""
 
-    def __init__(self, names: Sequence[str], outs: Sequence[Out]) -> None:
-        from kvstore.frame_sink import FrameSink
-
-        n = len(names)
+    def __init__(self, outs: Sequence[Out]) -> None:
+        n = len(outs)
         self.outs = outs
         self.targets: list[torch.Tensor | None] = [None] * n
         self.whole = [False] * n
         self.refused: list[Exception | None] = [None] * n
         self.stopped = False
-        self.sinks = [FrameSink(name, self._placer(k)) for k, name in enumerate(names)]
 
-    def _placer(self, k: int) -> Callable[[FrameHeader], memoryview | None]:
-        def place(header: FrameHeader) -> memoryview | None:
-            return self._place(k, header)
+    def sinks(self, names: Sequence[str]) -> list[FrameSink]:
+        """A sink per name (the k-th places into ``outs[k]``)."""
+        from kvstore.frame_sink import FrameSink
 
-        return place
+        return [FrameSink(name, partial(self._place, k)) for k, name in enumerate(names)]
 
     def _place(self, k: int, header: FrameHeader) -> memoryview | None:
         import torch
@@ -132,12 +134,11 @@ class StreamTargets:
             return memoryview(bytearray(0))
         return t.reshape(-1).view(torch.uint8).numpy().data
 
-    def clean(self, k: int, verdict: object | None) -> int | None:
-        """The payload bytes of read `k` when it landed whole and verified in its target
-        (`verdict`: what the backend's read returned, None for none); None otherwise (a
-        miss, a defect, a frame to read whole, a declined place: the regular read path
-        knows what each means)."""
-        sink = self.sinks[k]
+    def clean(self, k: int, sink: FrameSink, verdict: object | None) -> int | None:
+        """The payload bytes of read `k` (through `sink`) when it landed whole and
+        verified in its target (`verdict`: what the backend's read returned, None for
+        none); None otherwise (a miss, a defect, a frame to read whole, a declined
+        place: the regular read path knows what each means)."""
         if verdict is None or sink.too_long or self.whole[k] or sink.error is not None or not sink.placed:
             return None
         header = sink.header
@@ -150,8 +151,9 @@ async def read_streamed(
     """Raw payloads straight into the callers' tensors, hashed block by block as they
     land; also the indices to read whole instead (not raw, or a header too long to
     stream).  A streaming backend (disk) runs `place` on its worker threads."""
-    reads = StreamTargets(names, outs)
-    sinks, targets, whole, refused = reads.sinks, reads.targets, reads.whole, reads.refused
+    reads = StreamTargets(outs)
+    sinks = reads.sinks(names)
+    targets, whole, refused = reads.targets, reads.whole, reads.refused
     verdicts: list[object | None]
     started = time.time()  # a defective object is quarantined only if unchanged since (disk)
     if tier.capabilities.streamed_reads:

@@ -72,7 +72,8 @@ class _Batch:
         self.j = j
         self.loop = loop
         self.names = list(names)
-        self.reads = StreamTargets(names, outs)
+        self.reads = StreamTargets(outs)
+        self.sinks = self.reads.sinks(names)
         self.step = step
         self.done = done
         self.results: list[tuple[int, int, object] | None] = [None] * len(names)
@@ -177,12 +178,12 @@ class DirectReads:
                     batch.stop()  # past the tier's deadline: the regular path's deadline and breaker decide
                     return
                 try:
-                    result = batch.step(batch.names[k], reads.sinks[k])
+                    result = batch.step(batch.names[k], batch.sinks[k])
                 except Exception:  # the regular path reads it again and says what it is
                     batch.stop()
                     return
                 batch.results[k] = result
-                if reads.clean(k, result[2]) is None:  # not a clean hit: the batch is the regular path's
+                if reads.clean(k, batch.sinks[k], result[2]) is None:  # not a clean hit: the batch is the regular path's
                     batch.stop()
                     return
         finally:
@@ -198,7 +199,7 @@ class DirectReads:
     def _finish(self, batch: _Batch) -> None:
         """The last job's end: answer the caller, then send the bookkeeping to the loop."""
         reads = batch.reads
-        sizes = [reads.clean(k, r[2] if r is not None else None) for k, r in enumerate(batch.results)]
+        sizes = [reads.clean(k, sink, r[2] if r is not None else None) for k, (sink, r) in enumerate(zip(batch.sinks, batch.results))]
         clean = [s for s in sizes if s is not None]
         ok = len(clean) == len(sizes)
         try:
