@@ -11,16 +11,20 @@ runtime's loop and deadlines (`kvstore_lmcache.runtime`), storage logic (the sto
 from __future__ import annotations
 
 import concurrent.futures
+import logging
+import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvstore_lmcache.chunk_io import read_chunks, write_chunks
+from kvstore_lmcache.chunk_io import Allocations, read_chunks, write_chunks
 from kvstore_lmcache.keymap import object_names
 from kvstore_lmcache.runtime import StoreRuntime
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
     from lmcache.v1.memory_management import MemoryObj
+
+log = logging.getLogger("kvstore.plugins")
 
 
 class InProcessBridge:
@@ -156,6 +160,38 @@ class InProcessBridge:
             self.runtime.store, names, self.allocator, self.runtime.counters, prefix_only=prefix_only
         )
 
+    def read_now(self, names: Sequence[str], timeout: float) -> list[MemoryObj | None] | None:
+        """The chunks read off the store's loop while this thread waits
+        (`TieredStore.read_now`: every chunk placed on one disk tier, the common case),
+        as `read` would return them; None when they must be read the regular way
+        (`read`): not started, or not all clean hits (nothing the attempt allocated is
+        kept).  Past `timeout` every chunk is a miss, and what the read allocated goes
+        back once nothing writes into it any more."""
+        runtime = self.runtime
+        if not names or runtime.closed:
+            return None
+        places = Allocations(len(names), self.allocator, runtime.counters)
+        waiter = _Waiter(places)
+        try:
+            started = runtime.store.read_now(names, places.outs(), waiter.done, runtime.loop)
+        except Exception as exc:  # a fault here must not fail LMCache's read: the loop reads
+            log.debug("kvstore: a read off the loop could not start (%s); reading on the loop", exc)
+            return None
+        if not started:
+            return None
+        clean = waiter.wait(timeout)
+        c = runtime.counters
+        if clean is None:
+            c.timeouts += 1
+            c.get_misses += len(names)
+            log.warning("kvstore: read of %d chunk(s) took longer than %.1fs; served as a miss", len(names), timeout)
+            return [None] * len(names)
+        if not clean:
+            return None
+        c.get_hits += len(names)
+        c.reads_off_loop += 1
+        return list(places.objs)
+
     def release_read(self, objs: Sequence[MemoryObj | None]) -> None:
         """Give back what a read returned after its caller stopped waiting (its deadline):
         each MemoryObj to LMCache's allocator, its hit counted as a miss."""
@@ -165,6 +201,35 @@ class InProcessBridge:
                 obj.ref_count_down()
                 c.get_hits -= 1
                 c.get_misses += 1
+
+
+class _Waiter:
+    """A read off the loop that a caller's thread waits for: the answer, or, once the
+    caller gave up, the read's allocations given back when it ends."""
+
+    def __init__(self, places: Allocations) -> None:
+        self.places = places
+        self._lock = threading.Lock()
+        self._ended = threading.Event()
+        self._clean = False
+        self._gave_up = False
+
+    def done(self, sizes: list[int] | None) -> None:
+        """The read ended (on a worker thread): nothing writes into its objects now."""
+        with self._lock:
+            self._clean = sizes is not None
+            if not self._clean or self._gave_up:
+                self.places.release()
+            self._ended.set()
+
+    def wait(self, timeout: float) -> bool | None:
+        """Whether all were clean hits; None when `timeout` passed first (the caller gave up)."""
+        if not self._ended.wait(max(0.0, timeout)):
+            with self._lock:
+                if not self._ended.is_set():
+                    self._gave_up = True
+                    return None
+        return self._clean
 
 
 def close_store_first(allocator: Any, runtime: StoreRuntime) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from kvstore_lmcache.keymap import allocation_for, kv_groups, payload_of
@@ -72,28 +73,11 @@ async def read_chunks(
     wants a contiguous prefix) and every object after it is released.  An object whose
     KV is not of the geometry of the allocator's engine (its ``metadata``) is a miss.
     """
-    objs: list[Any] = [None] * len(names)
-    metadata = getattr(allocator, "metadata", None)
-
-    def alloc_for(i: int):
-        def alloc(header):
-            shape, dtype, fmt = allocation_for(header, metadata)
-            earlier = objs[i]
-            if earlier is not None:  # a read that fell back to another tier: its first place goes back
-                objs[i] = None
-                earlier.ref_count_down()
-            obj = allocator.allocate(shape, dtype, fmt, eviction=True, busy_loop=False)
-            if obj is None:
-                counters.alloc_failed += 1
-                return None
-            objs[i] = obj
-            return obj.tensor
-
-        return alloc
-
+    places = Allocations(len(names), allocator, counters)
+    objs = places.objs
     done = False
     try:
-        tensors = await store.get_many(names, out=[alloc_for(i) for i in range(len(names))])
+        tensors = await store.get_many(names, out=places.outs())
         out: list[Any] = []
         for i, t in enumerate(tensors):
             obj = objs[i]
@@ -112,13 +96,46 @@ async def read_chunks(
         return out
     finally:
         if not done:  # cancelled by a deadline or failed: give every allocation back
-            for obj in objs:
-                if obj is not None:
-                    obj.ref_count_down()
+            places.release()
+
+
+class Allocations:
+    """The MemoryObjs one read allocates from LMCache's allocator as each object's
+    header arrives (``outs()``: one callable target per name), of the geometry of the
+    allocator's engine (`allocation_for`: another geometry is refused, so a miss)."""
+
+    def __init__(self, n: int, allocator: Any, counters: PluginCounters) -> None:
+        self.objs: list[Any] = [None] * n
+        self.allocator = allocator
+        self.counters = counters
+        self.metadata = getattr(allocator, "metadata", None)
+
+    def outs(self) -> list[Any]:
+        return [partial(self._alloc, i) for i in range(len(self.objs))]
+
+    def _alloc(self, i: int, header: Any) -> Any:
+        shape, dtype, fmt = allocation_for(header, self.metadata)
+        earlier = self.objs[i]
+        if earlier is not None:  # a read that fell back to another tier: its first place goes back
+            self.objs[i] = None
+            earlier.ref_count_down()
+        obj = self.allocator.allocate(shape, dtype, fmt, eviction=True, busy_loop=False)
+        if obj is None:
+            self.counters.alloc_failed += 1
+            return None
+        self.objs[i] = obj
+        return obj.tensor
+
+    def release(self) -> None:
+        """Give every allocation back to LMCache's allocator."""
+        for i, obj in enumerate(self.objs):
+            if obj is not None:
+                self.objs[i] = None
+                obj.ref_count_down()
 
 
 async def prefix_count(store: Any, names: Sequence[str]) -> int:
     return await store.prefix_lookup(names)
 
 
-__all__ = ["prefix_count", "read_chunks", "write_chunks"]
+__all__ = ["Allocations", "prefix_count", "read_chunks", "write_chunks"]

@@ -48,6 +48,7 @@ class PluginCounters:
     timeouts: int = 0
     errors: int = 0
     alloc_failed: int = 0
+    reads_off_loop: int = 0  # read batches answered off the store's loop (`TieredStore.read_now`)
 
 
 def load_config(

@@ -372,3 +372,63 @@ def test_a_chunk_of_several_kv_groups_is_not_promised_in_process(make_engine):
     assert backend.batched_contains([key]) == 0
     assert backend.runtime.counters.put_failed == 1
     assert cpu_bytes_in_use(eng) == 0
+
+
+def test_blocking_reads_from_a_disk_tier_are_read_off_the_stores_loop(make_engine, tmp_path):
+    """The storage plugin's blocking retrieve of chunks on a disk tier reads them on the
+    store's worker threads while LMCache's thread waits (no hop to the store's loop):
+    bytes equal, and a corrupt chunk is handed to the loop's read, which quarantines it
+    (the hit stops before it)."""
+    eng = make_engine("plugin", False, tiers=[f"file://{tmp_path}/disk?fsync=false"])
+    tokens = torch.arange(4 * CHUNK)
+    kv = random_kv(len(tokens), seed=11)
+    _store(eng, tokens, kv)
+    out = empty(len(tokens))
+    assert eng.lookup_then_load(tokens, out) == (len(tokens), len(tokens))
+    assert _same_prefix(kv, out, len(tokens))
+    c = eng.kvstore_backend().runtime.counters
+    assert c.reads_off_loop >= 1
+    assert cpu_bytes_in_use(eng) == 0
+    names = _names(eng, tokens)
+    disk = eng.kvstore_backend().runtime.store.tiers[0].backend
+    path = disk.path_of(names[2])
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 0x04
+    path.write_bytes(bytes(raw))
+    import time
+
+    time.sleep(0.1)  # (a read quarantines only a file older than its start)
+    out = empty(len(tokens))
+    _, got = eng.lookup_then_load(tokens, out)
+    assert got == 2 * CHUNK, "the chunks before the corrupt one load"
+    assert _same_prefix(kv, out, 2 * CHUNK)
+    assert any((tmp_path / "disk" / "quarantine").iterdir())
+    assert cpu_bytes_in_use(eng) == 0
+
+
+def test_a_blocking_read_off_the_loop_past_its_deadline_is_a_miss_and_gives_its_memory_back(make_engine, tmp_path):
+    import time
+
+    from kvstore.backends.base import ReadsNow
+
+    eng = make_engine("plugin", False, tiers=[f"file://{tmp_path}/disk?fsync=false"], extra={"kvstore.timeout_s": 0.5})
+    tokens = torch.arange(2 * CHUNK)
+    _store(eng, tokens, random_kv(len(tokens), seed=12))
+    backend = eng.kvstore_backend()
+    disk = backend.runtime.store.tiers[0].backend
+    real = disk.reader_now()
+
+    def slow(name, sink):  # type: ignore[no-untyped-def]
+        time.sleep(0.8)
+        return real.step(name, sink)
+
+    disk.reader_now = lambda: ReadsNow(slow, real.concurrency)
+    keys = [k for _, _, k in eng.engine.token_database.process_tokens(tokens)]
+    started = time.monotonic()
+    assert backend.batched_get_blocking(keys) == [None, None]
+    assert time.monotonic() - started < 0.75
+    assert backend.runtime.counters.timeouts == 1
+    deadline = time.monotonic() + 5
+    while cpu_bytes_in_use(eng) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cpu_bytes_in_use(eng) == 0, "what the read allocated went back once it ended"
