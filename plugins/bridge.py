@@ -168,7 +168,7 @@ class InProcessBridge:
         kept).  Past `timeout` every chunk is a miss, and what the read allocated goes
         back once nothing writes into it any more."""
         runtime = self.runtime
-        if not names or runtime.closed:
+        if not names or runtime.closed or timeout <= 0:
             return None
         places = Allocations(len(names), self.allocator, runtime.counters)
         waiter = _Waiter(places)
@@ -181,9 +181,8 @@ class InProcessBridge:
             return None
         clean = waiter.wait(timeout)
         c = runtime.counters
-        if clean is None:
+        if clean is None:  # (counted as the loop's read counts a timeout)
             c.timeouts += 1
-            c.get_misses += len(names)
             log.warning("kvstore: read of %d chunk(s) took longer than %.1fs; served as a miss", len(names), timeout)
             return [None] * len(names)
         if not clean:
@@ -228,6 +227,7 @@ class _Waiter:
             with self._lock:
                 if not self._ended.is_set():
                     self._gave_up = True
+                    self.places.closed = True  # its objects not begun are not read: it ends sooner
                     return None
         return self._clean
 

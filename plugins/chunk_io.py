@@ -109,11 +109,14 @@ class Allocations:
         self.allocator = allocator
         self.counters = counters
         self.metadata = getattr(allocator, "metadata", None)
+        self.closed = False  # the read's caller left: allocate nothing more (the read then stops)
 
     def outs(self) -> list[Any]:
         return [partial(self._alloc, i) for i in range(len(self.objs))]
 
     def _alloc(self, i: int, header: Any) -> Any:
+        if self.closed:
+            return None
         shape, dtype, fmt = allocation_for(header, self.metadata)
         earlier = self.objs[i]
         if earlier is not None:  # a read that fell back to another tier: its first place goes back
