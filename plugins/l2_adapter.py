@@ -505,8 +505,17 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._load_on_loop(tid, names, objects, keys)
         return tid
 
-    def _load_on_loop(self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey]) -> None:
-        self._start(self._finish_load(tid, names, objects, keys), lambda: self._complete_load(tid, Bitmap(len(keys))))
+    def _load_on_loop(
+        self,
+        tid: L2TaskId,
+        names: list[str | None],
+        objects: list[MemoryObj],
+        keys: list[ObjectKey],
+        timeout: float | None = None,
+    ) -> None:
+        self._start(
+            self._finish_load(tid, names, objects, keys, timeout), lambda: self._complete_load(tid, Bitmap(len(keys)))
+        )
 
     def _load_now(self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey]) -> bool:
         """The load read on worker threads started from this thread, and completed from
@@ -522,13 +531,21 @@ class KVStoreL2Adapter(L2AdapterInterface):
         except Exception:  # the loop's read says what is wrong with it
             return False
 
+        started = time.monotonic()
+
         def done(sizes: list[int] | None) -> None:
-            if sizes is None:
-                with self._lock:
-                    self.counters.loads_handed_back += 1
-                self._load_on_loop(tid, names, objects, keys)
-            else:
-                self._loaded(tid, keys, [True] * len(keys), off_loop=True)
+            try:
+                if sizes is None:  # the loop reads it, within what is left of the task's deadline
+                    with self._lock:
+                        self.counters.loads_handed_back += 1
+                    left = self.config.store.timeout_s - (time.monotonic() - started)
+                    self._load_on_loop(tid, names, objects, keys, max(0.0, left))
+                else:
+                    self._loaded(tid, keys, [True] * len(keys), off_loop=True)
+            except Exception:  # LMCache must never wait on a task that will not end
+                self.counters.errors += 1
+                log.exception("kvstore L2: completing a load read off the loop failed; completed as failed")
+                self._complete_load(tid, Bitmap(len(keys)))
 
         try:
             return self.runtime.store.read_now(known, outs, done, self.runtime.loop)
@@ -547,10 +564,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return hits
 
     async def _finish_load(
-        self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey]
+        self,
+        tid: L2TaskId,
+        names: list[str | None],
+        objects: list[MemoryObj],
+        keys: list[ObjectKey],
+        timeout: float | None = None,
     ) -> None:
         # a cancelled read returns only once nothing writes into the MemoryObjs any more
-        hits = await self._bounded(self._load(names, objects), self.config.store.timeout_s, f"load of {len(keys)} chunk(s)")
+        wait = self.config.store.timeout_s if timeout is None else timeout
+        hits = await self._bounded(self._load(names, objects), wait, f"load of {len(keys)} chunk(s)")
         self._loaded(tid, keys, hits or [False] * len(keys))
 
     def _loaded(self, tid: L2TaskId, keys: list[ObjectKey], hits: list[bool], *, off_loop: bool = False) -> None:

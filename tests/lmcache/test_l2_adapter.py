@@ -110,6 +110,39 @@ def test_loads_from_a_disk_tier_are_read_and_completed_off_the_loop(make_adapter
     assert ad.runtime.store.stats().tiers[0].hits == 5
 
 
+def test_a_load_handed_back_to_the_loop_keeps_one_deadline(make_adapter, tmp_path):
+    """A load read off the loop that runs past the tier's deadline is handed to the loop's
+    read with what is left of the task's ``timeout_s``, not a fresh one: the task still
+    ends within about ``timeout_s``."""
+    import asyncio
+
+    from kvstore.backends.base import ReadsNow
+
+    ad = make_adapter([f"file://{tmp_path}/disk?fsync=false"], timeout_s=2.0)  # tier deadline: 1 s
+    keys = [okey(i) for i in range(2)]
+    assert store(ad, keys, [kv(0), kv(1)])
+    store_ = ad.runtime.store
+    disk = store_.tiers[0].backend
+    real = disk.reader_now()
+
+    def slow(name, sink):  # type: ignore[no-untyped-def]
+        time.sleep(1.5)
+        return real.step(name, sink)
+
+    async def stuck(*_a, **_k):  # the loop's read of it hangs too
+        await asyncio.sleep(30)
+
+    started = time.monotonic()
+    with (
+        mock.patch.object(disk, "reader_now", lambda: ReadsNow(slow, 1)),
+        mock.patch.object(store_, "get_many", stuck),
+    ):
+        assert load(ad, keys) == [None, None]
+    took = time.monotonic() - started
+    assert took < 2.8, f"one deadline in all (a fresh one for the loop's read took 3.5 s): {took:.2f}s"
+    assert ad.counters.loads_handed_back == 1 and ad.counters.timeouts == 1
+
+
 def test_store_tasks_into_a_full_tier_succeed_and_the_newest_are_loaded(make_adapter, tmp_path):
     """Once a bounded tier is full, each store task of fresh chunks still succeeds (the
     default policy makes room with older chunks, never with the task's own) and its
