@@ -502,17 +502,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
         names = self._names(keys)
         if not self._closed and self._load_now(tid, names, objects, keys):
             return tid
-        self._load_on_loop(tid, names, objects, keys)
+        self._load_on_loop(tid, names, objects, keys, self.config.store.timeout_s)
         return tid
 
     def _load_on_loop(
-        self,
-        tid: L2TaskId,
-        names: list[str | None],
-        objects: list[MemoryObj],
-        keys: list[ObjectKey],
-        timeout: float | None = None,
+        self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey], timeout: float
     ) -> None:
+        """The load read on the store's loop, bounded by `timeout`."""
         self._start(
             self._finish_load(tid, names, objects, keys, timeout), lambda: self._complete_load(tid, Bitmap(len(keys)))
         )
@@ -564,16 +560,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return hits
 
     async def _finish_load(
-        self,
-        tid: L2TaskId,
-        names: list[str | None],
-        objects: list[MemoryObj],
-        keys: list[ObjectKey],
-        timeout: float | None = None,
+        self, tid: L2TaskId, names: list[str | None], objects: list[MemoryObj], keys: list[ObjectKey], timeout: float
     ) -> None:
         # a cancelled read returns only once nothing writes into the MemoryObjs any more
-        wait = self.config.store.timeout_s if timeout is None else timeout
-        hits = await self._bounded(self._load(names, objects), wait, f"load of {len(keys)} chunk(s)")
+        hits = await self._bounded(self._load(names, objects), timeout, f"load of {len(keys)} chunk(s)")
         self._loaded(tid, keys, hits or [False] * len(keys))
 
     def _loaded(self, tid: L2TaskId, keys: list[ObjectKey], hits: list[bool], *, off_loop: bool = False) -> None:

@@ -76,7 +76,8 @@ class _Batch:
         self.sinks = self.reads.sinks(names)
         self.step = step
         self.done = done
-        self.results: list[tuple[int, int, object] | None] = [None] * len(names)
+        # per object read clean: (object size, bytes read, payload bytes); None otherwise
+        self.found: list[tuple[int, int, int] | None] = [None] * len(names)
         self.queue: deque[int] = deque(range(len(names)))
         self.jobs = jobs
         self.started = time.monotonic()
@@ -101,8 +102,6 @@ class DirectReads:
         self._under_way: set[_Batch] = set()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
-        self.started = 0  # batches read this way
-        self.handed_back = 0  # batches left to the regular path after their direct read
 
     # -- on the caller's thread ------------------------------------------------------------
     def start(self, names: Sequence[str], outs: Sequence[Out], done: Done, loop: asyncio.AbstractEventLoop) -> bool:
@@ -124,7 +123,6 @@ class DirectReads:
                 self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-read")
             pool = self._pool
             self._under_way.add(batch)
-            self.started += 1
         for _ in range(batch.jobs):
             try:
                 pool.submit(self._job, batch)
@@ -178,14 +176,15 @@ class DirectReads:
                     batch.stop()  # past the tier's deadline: the regular path's deadline and breaker decide
                     return
                 try:
-                    result = batch.step(batch.names[k], batch.sinks[k])
+                    size, got, verdict = batch.step(batch.names[k], batch.sinks[k])
                 except Exception:  # the regular path reads it again and says what it is
                     batch.stop()
                     return
-                batch.results[k] = result
-                if reads.clean(k, batch.sinks[k], result[2]) is None:  # not a clean hit: the batch is the regular path's
+                plen = reads.clean(k, batch.sinks[k], verdict)
+                if plen is None:  # not a clean hit: the batch is the regular path's
                     batch.stop()
                     return
+                batch.found[k] = (size, got, plen)
         finally:
             self._job_ended(batch)
 
@@ -198,22 +197,18 @@ class DirectReads:
 
     def _finish(self, batch: _Batch) -> None:
         """The last job's end: answer the caller, then send the bookkeeping to the loop."""
-        reads = batch.reads
-        sizes = [reads.clean(k, sink, r[2] if r is not None else None) for k, (sink, r) in enumerate(zip(batch.sinks, batch.results))]
-        clean = [s for s in sizes if s is not None]
-        ok = len(clean) == len(sizes)
+        found = [f for f in batch.found if f is not None]
+        ok = len(found) == len(batch.found)
         try:
             if ok:
-                got = [r for r in batch.results if r is not None]
                 try:  # queued before the caller hears, so a close waiting for this batch runs it first
-                    batch.loop.call_soon_threadsafe(self._settle, batch.j, batch.names, [r[0] for r in got], [r[1] for r in got], batch.t0)
+                    batch.loop.call_soon_threadsafe(
+                        self._settle, batch.j, batch.names, [f[0] for f in found], [f[1] for f in found], batch.t0
+                    )
                 except RuntimeError:  # the loop is closed: nothing keeps books any more
                     pass
-            else:
-                with self._lock:
-                    self.handed_back += 1
             try:
-                batch.done(clean if ok else None)
+                batch.done([f[2] for f in found] if ok else None)
             except Exception:
                 log.exception("kvstore: a direct read's caller failed on its answer")
         finally:
