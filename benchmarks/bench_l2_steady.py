@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+from itertools import pairwise
 from pathlib import Path
 from statistics import median
 
@@ -71,6 +72,7 @@ def main() -> None:
         for s in range(0, len(keys), args.batch):
             assert l2.store(keys[s : s + args.batch], data[s : s + args.batch]), f"{k}: store failed"
     times: dict[str, list[float]] = {k: [] for k in kinds}
+    phases: dict[str, list[list[float]]] = {k: [] for k in kinds}
     for r in range(args.rounds + 1):
         order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
         for k in order:
@@ -79,14 +81,19 @@ def main() -> None:
                 d.zero_()
             t0 = time.perf_counter()
             assert all(l2.lookup(keys)), f"{k}: lookup missed"
+            marks = [time.perf_counter()]
             for s in range(0, len(keys), args.batch):
                 assert all(l2.load(keys[s : s + args.batch], dst[s : s + args.batch])), f"{k}: load missed"
+                marks.append(time.perf_counter())
             l2.unlock(keys)
-            took = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            took = t1 - t0
+            steps = [marks[0] - t0] + [b - a for a, b in pairwise(marks)] + [t1 - marks[-1]]
             if r == 0:
                 assert all(torch.equal(a, b) for a, b in zip(data, dst)), f"{k}: loaded bytes differ"
                 continue  # warm-up round
             times[k].append(took * 1e3)
+            phases[k].append([x * 1e3 for x in steps])
     mib = data[0].nbytes / (1 << 20)
     print(f"\n{args.chunks} chunks of {list(data[0].shape)} bf16 ({mib:.1f} MiB each), load tasks of "
           f"{args.batch}, {args.rounds} rounds after a warm-up; adapters built once\n")
@@ -102,6 +109,13 @@ def main() -> None:
             rs = [t / b for t, b in zip(ts, base)]
             ratio = f"{min(rs):.2f} / {median(rs):.2f} / {max(rs):.2f}"
         print(f"| {k} | {cell} | {ratio} |")
+    print("\nMedian ms per step (lookup, each load task, unlock):\n")
+    n_loads = len(range(0, len(keys), args.batch))
+    print("| adapter | lookup | " + " | ".join(f"load {i + 1}" for i in range(n_loads)) + " | unlock |")
+    print("|---|" + "---:|" * (n_loads + 2))
+    for k in kinds:
+        cols = zip(*phases[k])
+        print(f"| {k} | " + " | ".join(f"{median(c):.2f}" for c in cols) + " |")
     for a in adapters.values():
         a.close()  # type: ignore[attr-defined]
     os._exit(0)  # LMCache's native threads

@@ -23,6 +23,12 @@ tier's file; a file deleted or replaced meanwhile is a failed step (the regular 
 then decides) or the whole object of the same key that replaced it, verified as any
 other.  Only raw frames are read this way (a codec's frames decode on the loop's path).
 
+Bookkeeping: a batch's hits go on the books (LRU touches, counters, metrics,
+promotions) on the loop, gathered for up to `SETTLE_S` and kept in one pass: one wake of
+the loop per pass rather than one per batch, whose steps on a two-core machine competed
+with the next batch's copies.  `settle_pending` keeps what has gathered now (`drain`,
+`stats` on the loop and `close` call it).
+
 Deadlines: a batch past the tier's deadline begins no more objects and is handed back,
 and while one is still reading past it every later batch goes the regular way, whose
 deadline and breaker take it from there.  `close` stops every batch the same way and
@@ -56,6 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+SETTLE_S = 0.02  # the longest a batch's hits wait to go on the books (gathered into one pass)
 
 #: told the payload bytes of every name (all read, verified, in their targets), or None:
 #: nothing usable was read, the regular path must read the batch (it is the caller's)
@@ -100,6 +107,10 @@ class DirectReads:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._under_way: set[_Batch] = set()
+        # clean batches whose bookkeeping waits for the loop: (tier, names, sizes, bytes read, seconds)
+        self._settles: list[tuple[int, list[str], list[int], list[int], float]] = []
+        self._settle_armed = False  # a pass is scheduled on the loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop passes run on
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
 
@@ -200,13 +211,8 @@ class DirectReads:
         found = [f for f in batch.found if f is not None]
         ok = len(found) == len(batch.found)
         try:
-            if ok:
-                try:  # queued before the caller hears, so a close waiting for this batch runs it first
-                    batch.loop.call_soon_threadsafe(
-                        self._settle, batch.j, batch.names, [f[0] for f in found], [f[1] for f in found], batch.t0
-                    )
-                except RuntimeError:  # the loop is closed: nothing keeps books any more
-                    pass
+            if ok:  # gathered before the caller hears, so a close waiting for this batch keeps it
+                self._gather(batch, [f[0] for f in found], [f[1] for f in found])
             try:
                 batch.done([f[2] for f in found] if ok else None)
             except Exception:
@@ -217,25 +223,57 @@ class DirectReads:
                 if not self._under_way:
                     self._idle.notify_all()
 
+    def _gather(self, batch: _Batch, sizes: list[int], got: list[int]) -> None:
+        """Keep a clean batch's bookkeeping for the loop's next pass (scheduled if none is)."""
+        entry = (batch.j, batch.names, sizes, got, time.perf_counter() - batch.t0)
+        self.reader.answered_off_loop(batch.j)  # (now: failed reads on the loop meanwhile count)
+        with self._lock:
+            self._settles.append(entry)
+            self._loop = batch.loop
+            if self._settle_armed:
+                return
+            self._settle_armed = True
+        try:
+            batch.loop.call_soon_threadsafe(batch.loop.call_later, SETTLE_S, self.settle_pending)
+        except RuntimeError:  # the loop is closed: nothing keeps books any more
+            pass
+
     # -- on the loop -----------------------------------------------------------------------
-    def _settle(self, j: int, names: list[str], sizes: list[int], got: list[int], t0: float) -> None:
+    def settle_pending(self) -> None:
+        """Put the hits of the batches that have ended on the books now.  On the loop
+        (called anywhere else it does nothing: the pass already scheduled keeps them)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        with self._lock:
+            if self._loop is not None and running is not self._loop:
+                return
+            todo, self._settles = self._settles, []
+            self._settle_armed = False
+        if todo:
+            self._settle(todo)
+
+    def _settle(self, todo: list[tuple[int, list[str], list[int], list[int], float]]) -> None:
         """What a regular read does to the books after a hit: the backend's (sizes, LRU),
         the reader's (the tier answered: failed-read streaks), the tier's and the store's
         counters and metrics, the engine's hit (promotions)."""
         p = self.p
-        tier = p.tiers[j]
-        tier.backend.read_off_loop(names, sizes, got)
-        tier.counters.hits += len(names)
-        label = p.labels[j]
-        p.metrics.op_seconds.labels("get", label).observe(time.perf_counter() - t0)
-        self.reader.answered(j, names)  # (a tier answering: other names' failed reads count)
         moves: list[Move] = []
         with p.changing():  # a hit may promote, and so choose victims: one stretch
-            for name in names:
-                ns = namespace_of(name)
-                p.metrics.hits.labels(label, ns).inc()
-                p.metrics.bytes_out.labels(label, ns).inc(p.placement.tiers[j].resident.get(name, 0))
-                moves.extend(p.placement.hit(name, NO_META, p.inflight))
+            for j, names, sizes, got, seconds in todo:
+                tier = p.tiers[j]
+                tier.backend.read_off_loop(names, sizes, got)
+                tier.counters.hits += len(names)
+                label = p.labels[j]
+                p.metrics.op_seconds.labels("get", label).observe(seconds)
+                self.reader.answered(j, names)  # (their own streaks end)
+                resident = p.placement.tiers[j].resident
+                for name in names:
+                    ns = namespace_of(name)
+                    p.metrics.hits.labels(label, ns).inc()
+                    p.metrics.bytes_out.labels(label, ns).inc(resident.get(name, 0))
+                    moves.extend(p.placement.hit(name, NO_META, p.inflight))
             self.mover.begin(moves)  # its tasks are the mover's: `drain` waits for them
         p.update_gauges()
 
@@ -251,9 +289,9 @@ class DirectReads:
             pool, self._pool = self._pool, None
         if busy:
             await asyncio.to_thread(self._wait_idle)
-        # the bookkeeping of batches that ended (queued before they did) runs before the
-        # store drains its moves and closes its tiers
-        await asyncio.sleep(0)
+        # the bookkeeping of batches that ended (gathered before they did) is kept before
+        # the store drains its moves and closes its tiers
+        self.settle_pending()
         if pool is not None:
             pool.shutdown(wait=False)
 
@@ -263,4 +301,4 @@ class DirectReads:
                 self._idle.wait()
 
 
-__all__ = ["DirectReads", "Done"]
+__all__ = ["SETTLE_S", "DirectReads", "Done"]

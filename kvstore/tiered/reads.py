@@ -12,6 +12,7 @@ engine's hits (promotions) afterwards.  Must not touch: tensor ↔ frame work (t
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -58,6 +59,9 @@ class Reader:
         # one, when the first was counted, when the last failed)
         self._unanswered: dict[tuple[int, str], tuple[int, int, float, float]] = {}
         self._answers: list[int] = [0] * len(parts.tiers)  # reads each tier answered (found or not)
+        # batches each tier answered off the loop (`answered_off_loop`, counted as they end)
+        self._answers_off: list[int] = [0] * len(parts.tiers)
+        self._answers_off_lock = threading.Lock()
 
     async def get_many(self, names: Sequence[str], out: Sequence[Out] | None, now: float) -> list[torch.Tensor | None]:
         """Tensors for `names` (None = miss), from the highest tier holding each."""
@@ -124,10 +128,16 @@ class Reader:
                 self._answered(j, n, r)
         return got
 
+    def answered_off_loop(self, j: int) -> None:
+        """From any thread: tier `j` answered a batch read off the loop, all found
+        (`kvstore.tiered.direct`), counted as it ends, as `read_tier` counts a batch that
+        answered, so a failed read on the loop just after it counts towards its streak."""
+        with self._answers_off_lock:  # (worker threads count at once)
+            self._answers_off[j] += 1
+
     def answered(self, j: int, names: Sequence[str]) -> None:
-        """Tier `j` answered a read of `names`, all found (`kvstore.tiered.direct`'s
-        reads, settled after the fact), as `read_tier` counts a batch that answered."""
-        self._answers[j] += 1
+        """Names of tier `j` read off the loop, all found (`kvstore.tiered.direct`'s
+        reads, settled after the fact): a streak of failed reads of one of them ends."""
         if self._unanswered:
             for name in names:
                 self._unanswered.pop((j, name), None)
@@ -139,7 +149,7 @@ class Reader:
 
     def _not_found(self, j: int, name: str, r: ReadResult, answering: bool) -> ReadResult:
         key = (j, name)
-        answers = self._answers[j]
+        answers = self._answers[j] + self._answers_off[j]
         now = clock()
         seen, mark, first, last = self._unanswered.get(key, (0, answers, now, now))
         if now - last > UNANSWERED_FORGET_S:  # failures long ago: a new streak

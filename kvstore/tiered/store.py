@@ -289,11 +289,17 @@ class TieredStore:
         await self.mover.finish(drops)
 
     async def drain(self) -> None:
-        """Wait until every background copy has finished."""
+        """Wait until every background copy has finished (the hits of reads off the loop
+        that have ended go on the books first: they may promote)."""
+        self.direct.settle_pending()
         await self.mover.drain()
 
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> StoreStats:
+        """The store's counters.  On the loop they include every read that has ended;
+        from another thread, reads off the loop of the last
+        `kvstore.tiered.direct.SETTLE_S` may be missing."""
+        self.direct.settle_pending()
         tiers = []
         for spec, st, tier in zip(self.specs, self.placement.tiers, self.tiers):
             c = st.counters

@@ -55,6 +55,24 @@ async def test_a_clean_batch_lands_bytes_equal_off_the_loop_and_counts_as_hits(t
     await st.close()
 
 
+async def test_hits_off_the_loop_reach_the_books_by_themselves_soon_after(tmp_path: Path) -> None:
+    """Nobody asks for stats or drains: the batches' hits are gathered and kept by the
+    loop within `SETTLE_S` (seen here through counters that do not settle them)."""
+    from kvstore.tiered.direct import SETTLE_S
+
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+    data = _tensors()
+    assert await st.put_many(list(zip(NAMES, data))) == [True] * 4
+    outs = [torch.zeros_like(t) for t in data]
+    for k in range(4):  # four batches of one
+        started, sizes, _ = await _read_now(st, NAMES[k : k + 1], outs[k : k + 1])
+        assert started and sizes == [data[k].nbytes]
+    await asyncio.sleep(SETTLE_S * 10)
+    assert st.tiers[0].backend.counters.hits == 4 and st.placement.tiers[0].counters.hits == 4
+    assert all(torch.equal(a, b) for a, b in zip(data, outs))
+    await st.close()
+
+
 async def test_a_hit_on_the_disk_tier_is_promoted_as_a_regular_read_is(tmp_path: Path) -> None:
     data = _tensors(2)
     st = TieredStore.from_urls([f"mem://direct-{tmp_path.name}?capacity=700KiB", f"file://{tmp_path / 'd'}?fsync=false"])
