@@ -252,7 +252,10 @@ class DirectReads:
             todo, self._settles = self._settles, []
             self._settle_armed = False
         if todo:
-            self._settle(todo)
+            try:
+                self._settle(todo)
+            except Exception:  # the reads were answered: only their bookkeeping is lost
+                log.exception("kvstore: keeping the books of %d read(s) off the loop failed", len(todo))
 
     def _settle(self, todo: list[tuple[int, list[str], list[int], list[int], float]]) -> None:
         """What a regular read does to the books after a hit: the backend's (sizes, LRU),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvstore.namespaces import namespace_of
@@ -62,6 +62,8 @@ class Reader:
         # batches each tier answered off the loop (`answered_off_loop`, counted as they end)
         self._answers_off: list[int] = [0] * len(parts.tiers)
         self._answers_off_lock = threading.Lock()
+        # keeps the books of reads off the loop that have ended (`DirectReads.settle_pending`)
+        self.settle_first: Callable[[], None] = lambda: None
 
     async def get_many(self, names: Sequence[str], out: Sequence[Out] | None, now: float) -> list[torch.Tensor | None]:
         """Tensors for `names` (None = miss), from the highest tier holding each."""
@@ -114,6 +116,7 @@ class Reader:
         if answering:
             self._answers[j] += 1
         if failed:
+            self.settle_first()  # (clean reads off the loop that ended by now end their names' streaks)
             # A read failed in the backend (a reset connection, a 5xx, EIO): backends answer
             # those as absent, which alone would drop the names from the books (and tell
             # LMCache they were deleted) while their bytes may well be there. A name not

@@ -100,6 +100,7 @@ class TieredStore:
         self.lookup = Lookup(parts)
         self.reader = Reader(parts, self.lookup, self.mover)
         self.direct = DirectReads(parts, self.lookup, self.reader, self.mover)
+        self.reader.settle_first = self.direct.settle_pending
         self.writer = Writer(parts, self.mover)
 
     @classmethod
@@ -155,7 +156,7 @@ class TieredStore:
     async def prefix_lookup(self, names: Sequence[str]) -> int:
         """How many leading `names` are held in some tier."""
         now = self._clock()
-        await self._expire(now)
+        await self._catch_up(now)
         return await self.lookup.prefix(names, now)
 
     def known_prefix(self, names: Sequence[str]) -> int | None:
@@ -203,7 +204,7 @@ class TieredStore:
 
     async def contains_many(self, names: Sequence[str]) -> list[bool]:
         now = self._clock()
-        await self._expire(now)
+        await self._catch_up(now)
         return await self.lookup.contains(names, now)
 
     # -- writes and reads ----------------------------------------------------------------
@@ -217,13 +218,13 @@ class TieredStore:
     ) -> list[bool]:
         """Store tensors; see `kvstore.tiered`."""
         now = self._clock()
-        await self._expire(now)
+        await self._catch_up(now)
         return await self.writer.put_many(items, chained=chained, parent=parent, layout=layout, now=now)
 
     async def get_many(self, names: Sequence[str], out: Sequence[Out] | None = None) -> list[torch.Tensor | None]:
         """Tensors for `names` (None = miss); see `kvstore.tiered` for `out`."""
         now = self._clock()
-        await self._expire(now)
+        await self._catch_up(now)
         return await self.reader.get_many(names, out, now)
 
     def read_now(self, names: Sequence[str], outs: Sequence[Out], done: Done, loop: asyncio.AbstractEventLoop) -> bool:
@@ -246,6 +247,7 @@ class TieredStore:
         With ``discover``, names the engine does not know (stored by another process or
         an earlier run) are deleted from every tier too, and count as held if a tier had them.
         """
+        self.direct.settle_pending()  # (the books as they are)
         existed = []
         moves: list[Move] = []
         unknown: list[int] = []
@@ -273,6 +275,13 @@ class TieredStore:
     def unpin(self, names: Sequence[str]) -> None:
         """Any thread may unpin (and pin): the pin table has a lock of its own."""
         self.inflight.unpin(names)
+
+    async def _catch_up(self, now: float) -> None:
+        """Before an operation on the loop: the hits of reads off the loop that have ended
+        go on the books (an LRU victim chosen now sees them; a failed read's streak
+        sees the clean reads before it), and what has expired leaves them."""
+        self.direct.settle_pending()
+        await self._expire(now)
 
     async def _expire(self, now: float) -> None:
         self.inflight.prune_pins(now)

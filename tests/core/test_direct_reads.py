@@ -249,6 +249,86 @@ async def test_clean_reads_off_the_loop_still_let_an_unreadable_object_leave_the
     await st.close()
 
 
+async def test_a_clean_read_off_the_loop_ends_a_failing_streak_before_the_next_failure_counts(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A name with two failed reads in a row, then read clean off the loop, then failing
+    once more at once (before the loop's pass over the gathered hits): a new streak, not
+    the third strike of the old one; it stays on the books."""
+    import errno
+
+    import kvstore.backends.disk as disk
+    import kvstore.tiered.reads as reads
+
+    real = disk._stream_one
+    failing = [True]
+
+    def flaky(path, sink, *a):
+        if failing[0] and path.name.endswith(disk.encode_filename(NAMES[0])):
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, sink, *a)
+
+    monkeypatch.setattr(disk, "_stream_one", flaky)
+    now = [1000.0]
+    monkeypatch.setattr(reads, "clock", lambda: now[0])
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], tier_timeout=5)
+    t = torch.randn(64, 64)
+    await st.put_many([(NAMES[0], t), (NAMES[1], t)])
+    out = torch.zeros_like(t)
+    for _ in range(3):  # X fails on the loop while the tier answers Y: a streak of two
+        assert await st.get_many(NAMES[:1], out=[out]) == [None]
+        started, sizes, _ = await _read_now(st, NAMES[1:2], [out])
+        assert started and sizes is not None
+        now[0] += 20
+    failing[0] = False
+    started, sizes, _ = await _read_now(st, NAMES[:1], [out])  # X reads clean
+    assert started and sizes is not None and torch.equal(out, t)
+    failing[0] = True
+    assert await st.get_many(NAMES[:1], out=[out]) == [None]  # and fails again at once
+    assert st.placement.where(NAMES[0]) is not None, "a clean read in between: the old streak ended"
+    await st.close()
+
+
+async def test_an_lru_victim_chosen_right_after_a_read_off_the_loop_is_not_the_chunk_just_read(
+    tmp_path: Path,
+) -> None:
+    """Put A, put B, load A off the loop, put C at once: the LRU tier evicts B, as it
+    would had the loop read A (the hit's touch is on the books before a victim is chosen)."""
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false&capacity=1100KiB&policy=lru"])
+    a, b, c = _tensors(3)
+    for name, x in zip(NAMES[:2], (a, b)):
+        assert await st.put_many([(name, x)]) == [True]
+    out = torch.zeros_like(a)
+    started, sizes, _ = await _read_now(st, NAMES[:1], [out])
+    assert started and sizes == [a.nbytes]
+    assert await st.put_many([(NAMES[2], c)]) == [True]
+    await st.drain()
+    assert [st.placement.where(n) is not None for n in NAMES[:3]] == [True, False, True]
+    await st.close()
+
+
+async def test_a_fault_in_the_books_of_reads_off_the_loop_fails_neither_stats_nor_close(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """The reads were answered; a fault keeping their books is logged, and the store's
+    `stats`, `drain` and `close` (which keep them first) still work."""
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+    data = _tensors(2)
+    assert await st.put_many(list(zip(NAMES[:2], data))) == [True] * 2
+
+    def broken(*_a, **_k):
+        raise RuntimeError("policy fault")
+
+    monkeypatch.setattr(st.placement, "hit", broken)
+    outs = [torch.zeros_like(t) for t in data]
+    started, sizes, _ = await _read_now(st, NAMES[:2], outs)
+    assert started and sizes is not None and all(torch.equal(a, b) for a, b in zip(data, outs))
+    st.stats()
+    await st.drain()
+    assert "keeping the books of 1 read(s) off the loop failed" in caplog.text
+    await st.close()  # (does not raise)
+
+
 async def test_streamed_reads_leave_nothing_for_the_garbage_collector(tmp_path: Path) -> None:
     """A read's sinks and targets are freed when the read ends, not by the collector: in
     a process holding LMCache and torch a full collection takes ~0.2 s, a stall of
