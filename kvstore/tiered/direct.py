@@ -26,8 +26,10 @@ other.  Only raw frames are read this way (a codec's frames decode on the loop's
 Bookkeeping: a batch's hits go on the books (LRU touches, counters, metrics,
 promotions) on the loop, gathered for up to `SETTLE_S` and kept in one pass: one wake of
 the loop per pass rather than one per batch, whose steps on a two-core machine competed
-with the next batch's copies.  `settle_pending` keeps what has gathered now (`drain`,
-`stats` on the loop and `close` call it).
+with the next batch's copies.  `settle_pending` keeps what has gathered now: every
+operation of the store on the loop calls it first (a victim chosen then sees the hits;
+a failed read's streak sees the clean reads before it), as do `drain`, `stats` and
+`close`.  A tier's answer, which those streaks count, is counted as each batch ends.
 
 Deadlines: a batch past the tier's deadline begins no more objects and is handed back,
 and while one is still reading past it every later batch goes the regular way, whose
