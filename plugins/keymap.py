@@ -8,13 +8,15 @@ Must not touch: I/O, event loops.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvstore.codec.base import dtype_from_name
+from kvstore.codec.base import dtype_from_name, dtype_name
 from kvstore.keys import ChunkKey, chunk_object_name, chunk_object_names
+from kvstore.tier_stream import ByteTarget
 
 if TYPE_CHECKING:
     from lmcache.utils import CacheEngineKey
@@ -99,6 +101,32 @@ def kv_groups(obj: MemoryObj) -> int:
     """How many KV groups (layer groups of one shape) a MemoryObj holds: 1 but for hybrid
     models."""
     return len(obj.get_shapes()) if obj.meta.shapes is not None else 1
+
+
+def load_target(obj: MemoryObj) -> torch.Tensor | ByteTarget:
+    """Where a load read off the store's loop writes `obj`'s payload: its bytes
+    described (a `ByteTarget`, no tensor view made) when it is a plain CPU
+    `TensorMemoryObj` of one shape (as LMCache's allocators make them), the frame's
+    shape and dtype then checked against its metadata; otherwise the tensor
+    `payload_of` gives, as a store writes from.  `obj` must stay alive until the read
+    is over (LMCache keeps a task's MemoryObjs until it completes)."""
+    from lmcache.v1.memory_management import TensorMemoryObj
+
+    meta = obj.meta
+    if type(obj) is TensorMemoryObj and obj.valid and (meta.shapes is None or len(meta.shapes) == 1):
+        raw = obj.raw_data
+        if (
+            getattr(obj, "_used_size_override", None) is None
+            and isinstance(raw, torch.Tensor)
+            and raw.device.type == "cpu"
+            and raw.is_contiguous()
+            and meta.dtype is not None
+        ):
+            n = meta.shape.numel() * meta.dtype.itemsize
+            if 0 < n <= raw.numel() * raw.element_size():
+                data = memoryview((ctypes.c_char * n).from_address(raw.data_ptr())).cast("B")
+                return ByteTarget(tuple(meta.shape), dtype_name(meta.dtype), data)
+    return payload_of(obj)[0]
 
 
 def payload_of(obj: MemoryObj) -> tuple[torch.Tensor, str]:

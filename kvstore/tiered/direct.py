@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 from kvstore.namespaces import namespace_of
 from kvstore.policy import NO_META, Move
-from kvstore.tier_stream import Out, StreamTargets
+from kvstore.tier_stream import StreamTargets, Target
 
 if TYPE_CHECKING:
     from kvstore.backends.base import ReadsNow, ReadStep
@@ -75,7 +75,7 @@ class _Batch:
     """One direct read: items taken from one queue by its worker jobs."""
 
     def __init__(
-        self, j: int, names: Sequence[str], outs: Sequence[Out], step: ReadStep, done: Done, jobs: int,
+        self, j: int, names: Sequence[str], outs: Sequence[Target], step: ReadStep, done: Done, jobs: int,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.j = j
@@ -117,7 +117,7 @@ class DirectReads:
         self._closed = False
 
     # -- on the caller's thread ------------------------------------------------------------
-    def start(self, names: Sequence[str], outs: Sequence[Out], done: Done, loop: asyncio.AbstractEventLoop) -> bool:
+    def start(self, names: Sequence[str], outs: Sequence[Target], done: Done, loop: asyncio.AbstractEventLoop) -> bool:
         """Read `names` into `outs` off the loop and call `done` from a worker thread;
         False (nothing started, `done` never called) when the batch must go the regular
         way: not every name placed in the same tier and settled there, that tier not one

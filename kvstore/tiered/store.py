@@ -24,7 +24,7 @@ from kvstore.namespaces import NO_RULE, NamespaceBook, NamespaceRule, namespace_
 from kvstore.policy import DEFAULT_POLICY, Move, Placement
 from kvstore.store_metrics import StoreMetrics
 from kvstore.tier import Tier
-from kvstore.tier_stream import Out
+from kvstore.tier_stream import Out, Target
 from kvstore.tiered.direct import DirectReads, Done
 from kvstore.tiered.guard import TierGuard
 from kvstore.tiered.inflight import InFlight
@@ -227,10 +227,12 @@ class TieredStore:
         await self._catch_up(now)
         return await self.reader.get_many(names, out, now)
 
-    def read_now(self, names: Sequence[str], outs: Sequence[Out], done: Done, loop: asyncio.AbstractEventLoop) -> bool:
-        """`get_many` of `names` into `outs` (a tensor each) without this store's event
-        loop (`loop`) on the way: from any thread, the reads start on worker threads at
-        once, and `done` is called from one of them with the payload sizes once every
+    def read_now(
+        self, names: Sequence[str], outs: Sequence[Target], done: Done, loop: asyncio.AbstractEventLoop
+    ) -> bool:
+        """`get_many` of `names` into `outs` (a tensor or a `ByteTarget` each) without
+        this store's event loop (`loop`) on the way: from any thread, the reads start on
+        worker threads at once, and `done` is called from one of them with the payload sizes once every
         object is in its target, verified, or with None once nothing more is written
         into the targets and the batch needs `get_many` (a miss, a defect, anything but
         a clean hit).  False: not started (the names are not all on one tier that can

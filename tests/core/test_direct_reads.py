@@ -14,6 +14,7 @@ import torch
 
 from kvstore.backends.base import ReadsNow
 from kvstore.backends.disk import DiskBackend
+from kvstore.tier_stream import ByteTarget
 from kvstore.tiered import TieredStore
 
 NAMES = [f"ns/m/f-1-0/{i}" for i in range(4)]
@@ -70,6 +71,29 @@ async def test_hits_off_the_loop_reach_the_books_by_themselves_soon_after(tmp_pa
     await asyncio.sleep(SETTLE_S * 10)
     assert st.tiers[0].backend.counters.hits == 4 and st.placement.tiers[0].counters.hits == 4
     assert all(torch.equal(a, b) for a, b in zip(data, outs))
+    await st.close()
+
+
+def _byte_target(t: torch.Tensor, shape=None, dtype: str = "bfloat16") -> ByteTarget:
+    return ByteTarget(tuple(shape or t.shape), dtype, t.view(-1).view(torch.uint8).numpy().data)
+
+
+async def test_byte_targets_take_the_payload_as_tensors_do(tmp_path: Path) -> None:
+    """Targets described by shape, dtype and bytes (LMCache's MemoryObjs, no tensor view
+    made) land bytes equal; one whose shape or dtype is not the frame's is not written
+    into, and the batch is handed back for the regular path."""
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+    data = _tensors(2)
+    assert await st.put_many(list(zip(NAMES[:2], data))) == [True] * 2
+    outs = [torch.zeros_like(t) for t in data]
+    started, sizes, _ = await _read_now(st, NAMES[:2], [_byte_target(o) for o in outs])
+    assert started and sizes == [t.nbytes for t in data]
+    assert all(torch.equal(a, b) for a, b in zip(data, outs))
+    for shape, dtype in (((1024, 256), "bfloat16"), ((256, 1024), "float16")):
+        out = torch.zeros_like(data[0])
+        started, sizes, _ = await _read_now(st, NAMES[:1], [_byte_target(out, shape, dtype)])
+        assert started and sizes is None, "handed back"
+        assert out.count_nonzero() == 0, "a target of another geometry is never written into"
     await st.close()
 
 

@@ -109,3 +109,45 @@ def test_a_batch_of_mp_keys_is_named_as_each_key_alone():
     assert names == [mp_object_name(k, "ns") for k in keys]
     assert len(set(names)) == len(keys)
     assert mp_object_names([], "ns") == []
+
+
+def _pool_obj(pool: torch.Tensor, start: int, shape: tuple[int, ...], dtype: torch.dtype, **meta_kw):
+    """A MemoryObj as LMCache's tensor allocator makes one: a uint8 slice of its pool,
+    ``address`` the offset in the pool, ``shapes`` / ``dtypes`` of one entry."""
+    from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
+
+    size = torch.Size(shape).numel() * dtype.itemsize
+    meta = MemoryObjMetadata(
+        torch.Size(shape), dtype, start, size, 1, 0, MemoryFormat.KV_2LTD,
+        **({"shapes": [torch.Size(shape)], "dtypes": [dtype]} | meta_kw),
+    )
+    return TensorMemoryObj(raw_data=pool[start : start + size], metadata=meta, parent_allocator=None)
+
+
+def test_a_load_target_describes_an_allocators_memory_obj_and_writes_into_it():
+    from kvstore.tier_stream import ByteTarget
+    from kvstore_lmcache.keymap import load_target, payload_of
+
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    obj = _pool_obj(pool, 4096, (2, 4, 8, 16), torch.bfloat16)
+    target = load_target(obj)
+    assert isinstance(target, ByteTarget)
+    assert (target.shape, target.dtype, target.data.nbytes) == ((2, 4, 8, 16), "bfloat16", 2 * 4 * 8 * 16 * 2)
+    src = torch.randn(2, 4, 8, 16).to(torch.bfloat16)
+    target.data[:] = src.view(-1).view(torch.uint8).numpy().tobytes()
+    assert torch.equal(payload_of(obj)[0], src), "the bytes landed in the MemoryObj's own memory"
+    assert pool[:4096].count_nonzero() == 0 and pool[4096 + target.data.nbytes :].count_nonzero() == 0
+
+
+def test_memory_objs_a_load_target_cannot_describe_get_their_tensor():
+    from kvstore.tier_stream import ByteTarget
+    from kvstore_lmcache.keymap import load_target
+
+    pool = torch.zeros(1 << 16, dtype=torch.uint8)
+    narrowed = _pool_obj(pool, 0, (64,), torch.uint8)
+    narrowed.set_used_size(32)  # (the async serde's narrowed buffers)
+    two = _pool_obj(pool, 8192, (2, 8), torch.float16, shapes=[torch.Size([2, 8]), torch.Size([4])],
+                    dtypes=[torch.float16, torch.float16])
+    for obj in (narrowed, two):
+        target = load_target(obj)
+        assert isinstance(target, torch.Tensor) and not isinstance(target, ByteTarget)
