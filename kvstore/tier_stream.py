@@ -125,7 +125,7 @@ class StreamTargets:
     def _place(self, k: int, header: FrameHeader) -> memoryview | None:
         import torch
 
-        from kvstore.codec.base import dtype_from_name
+        from kvstore.codec.base import DTYPE_NAMES, dtype_from_name
 
         if self.stopped:
             return None
@@ -135,7 +135,7 @@ class StreamTargets:
         try:
             t = self.outs[k]
             if isinstance(t, ByteTarget):
-                if t.shape != tuple(header.shape) or t.dtype != header.dtype:
+                if t.shape != tuple(header.shape) or t.dtype != header.dtype or t.dtype not in DTYPE_NAMES:
                     raise ValueError(f"out is {t.shape} {t.dtype}; frame holds {header.shape} {header.dtype}")
                 self.targets[k] = t
                 return t.data

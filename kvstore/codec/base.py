@@ -32,7 +32,11 @@ class CodecUnavailableError(FrameError):
     it names is not installed).  Tiers serve it as a miss and leave it in place."""
 
 
-DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64")
+DTYPE_NAMES = (
+    "float16", "bfloat16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
+    # fp8 KV caches (vLLM's ``kv_cache_dtype=fp8``): raw frames only, their bytes as stored
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

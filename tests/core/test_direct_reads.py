@@ -97,6 +97,23 @@ async def test_byte_targets_take_the_payload_as_tensors_do(tmp_path: Path) -> No
     await st.close()
 
 
+async def test_fp8_chunks_load_on_every_path_alike(tmp_path: Path) -> None:
+    """An fp8 KV chunk (vLLM's ``kv_cache_dtype=fp8``) is stored raw and read back bytes
+    equal by the loop's read and off the loop alike (before, the loop's read refused
+    the dtype it had stored)."""
+    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"])
+    for k, dtype in enumerate((torch.float8_e4m3fn, torch.float8_e5m2)):
+        t = torch.randn(256, 1024).to(dtype)
+        assert await st.put_many([(NAMES[k], t)]) == [True]
+        (got,) = await st.get_many([NAMES[k]])
+        assert got is not None and got.dtype == dtype and torch.equal(got.view(torch.uint8), t.view(torch.uint8))
+        out = torch.zeros_like(t)
+        target = ByteTarget(tuple(t.shape), str(dtype).removeprefix("torch."), out.view(torch.uint8).numpy().data)
+        started, sizes, _ = await _read_now(st, NAMES[k : k + 1], [target])
+        assert started and sizes == [t.nbytes] and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+    await st.close()
+
+
 async def test_a_hit_on_the_disk_tier_is_promoted_as_a_regular_read_is(tmp_path: Path) -> None:
     data = _tensors(2)
     st = TieredStore.from_urls([f"mem://direct-{tmp_path.name}?capacity=700KiB", f"file://{tmp_path / 'd'}?fsync=false"])
