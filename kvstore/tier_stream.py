@@ -59,8 +59,9 @@ class ByteTarget:
     data: memoryview
 
 
-#: where a read off the loop may go (`StreamTargets`): an `Out`, or a `ByteTarget`
-Target = Union[Out, ByteTarget]
+#: where a read off the loop may go (`StreamTargets`): an `Out`, a `ByteTarget`, or a
+#: callable given the checked header that returns either (None: skip this object)
+Target = Union[Out, ByteTarget, Callable[[FrameHeader], "torch.Tensor | ByteTarget | None"]]
 
 # outcome of reading one name (`ReadResult.status`)
 HIT, GONE, DECLINED = 0, 1, 2  # DECLINED: stored, but the caller did not take it
@@ -134,15 +135,15 @@ class StreamTargets:
             return None
         try:
             t = self.outs[k]
+            if callable(t):
+                t = t(header)
+            if t is None:
+                return None
             if isinstance(t, ByteTarget):
                 if t.shape != tuple(header.shape) or t.dtype != header.dtype or t.dtype not in DTYPE_NAMES:
                     raise ValueError(f"out is {t.shape} {t.dtype}; frame holds {header.shape} {header.dtype}")
                 self.targets[k] = t
                 return t.data
-            if callable(t):
-                t = t(header)
-            if t is None:
-                return None
             if (
                 tuple(t.shape) != tuple(header.shape)
                 or t.dtype != dtype_from_name(header.dtype)

@@ -173,7 +173,7 @@ class InProcessBridge:
         places = Allocations(len(names), self.allocator, runtime.counters)
         waiter = _Waiter(places)
         try:
-            started = runtime.store.read_now(names, places.outs(), waiter.done, runtime.loop)
+            started = runtime.store.read_now(names, places.outs(described=True), waiter.done, runtime.loop)
         except Exception as exc:  # a fault here must not fail LMCache's read: the loop reads
             log.debug("kvstore: a read off the loop could not start (%s); reading on the loop", exc)
             return None

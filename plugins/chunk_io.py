@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from kvstore_lmcache.keymap import allocation_for, kv_groups, payload_of
+from kvstore_lmcache.keymap import allocation_for, byte_target, kv_groups, payload_of
 from kvstore_lmcache.runtime import PluginCounters
 
 if TYPE_CHECKING:
@@ -111,10 +111,12 @@ class Allocations:
         self.metadata = getattr(allocator, "metadata", None)
         self.closed = False  # the read's caller left: allocate nothing more (the read then stops)
 
-    def outs(self) -> list[Any]:
-        return [partial(self._alloc, i) for i in range(len(self.objs))]
+    def outs(self, *, described: bool = False) -> list[Any]:
+        """A target per name; ``described``: each allocation handed over as a
+        `ByteTarget` (no tensor view made; `TieredStore.read_now` only), else its tensor."""
+        return [partial(self._alloc, i, described) for i in range(len(self.objs))]
 
-    def _alloc(self, i: int, header: Any) -> Any:
+    def _alloc(self, i: int, described: bool, header: Any) -> Any:
         if self.closed:
             return None
         shape, dtype, fmt = allocation_for(header, self.metadata)
@@ -127,7 +129,7 @@ class Allocations:
             self.counters.alloc_failed += 1
             return None
         self.objs[i] = obj
-        return obj.tensor
+        return (byte_target(obj) if described else None) or obj.tensor
 
     def release(self) -> None:
         """Give every allocation back to LMCache's allocator."""

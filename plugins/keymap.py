@@ -103,18 +103,16 @@ def kv_groups(obj: MemoryObj) -> int:
     return len(obj.get_shapes()) if obj.meta.shapes is not None else 1
 
 
-def load_target(obj: MemoryObj) -> torch.Tensor | ByteTarget:
-    """Where a load read off the store's loop writes `obj`'s payload: its bytes
-    described (a `ByteTarget`, no tensor view made) when it is a plain CPU
-    `TensorMemoryObj` of one shape (as LMCache's allocators make them), the frame's
-    shape and dtype then checked against its metadata; otherwise the tensor
-    `payload_of` gives, as a store writes from.  `obj` must stay alive until the read
-    is over (LMCache keeps a task's MemoryObjs until it completes)."""
+def byte_target(obj: MemoryObj) -> ByteTarget | None:
+    """`obj`'s payload bytes described for a read off the store's loop (a `ByteTarget`:
+    no tensor view made) when it is a plain CPU `TensorMemoryObj` of one shape (as
+    LMCache's allocators make them), the frame's shape and dtype then checked against
+    its metadata; None otherwise (read into its tensor).  `obj` must stay alive until
+    the read is over (LMCache keeps a task's MemoryObjs until it completes)."""
     from lmcache.v1.memory_management import TensorMemoryObj
 
-    meta = obj.meta
-    if type(obj) is TensorMemoryObj and obj.valid and (meta.shapes is None or len(meta.shapes) == 1):
-        raw = obj.raw_data
+    if type(obj) is TensorMemoryObj and obj.valid and (obj.meta.shapes is None or len(obj.meta.shapes) == 1):
+        raw, meta = obj.raw_data, obj.meta
         if (
             getattr(obj, "_used_size_override", None) is None
             and isinstance(raw, torch.Tensor)
@@ -126,7 +124,7 @@ def load_target(obj: MemoryObj) -> torch.Tensor | ByteTarget:
             if 0 < n <= raw.numel() * raw.element_size():
                 data = memoryview((ctypes.c_char * n).from_address(raw.data_ptr())).cast("B")
                 return ByteTarget(tuple(meta.shape), dtype_name(meta.dtype), data)
-    return payload_of(obj)[0]
+    return None
 
 
 def payload_of(obj: MemoryObj) -> tuple[torch.Tensor, str]:

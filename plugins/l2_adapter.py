@@ -54,7 +54,7 @@ from kvstore.deadlines import within
 from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
 from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
-from kvstore_lmcache.keymap import load_target, mp_object_key, mp_object_name, mp_object_names, payload_of
+from kvstore_lmcache.keymap import byte_target, mp_object_key, mp_object_name, mp_object_names, payload_of
 from kvstore_lmcache.memory_tags import RESIDENCIES, Residency, StoreTags, store_tags
 from kvstore_lmcache.runtime import Role, StoreRuntime, log
 
@@ -523,7 +523,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if len(known) != len(names):
             return False
         try:
-            outs = [load_target(obj) for obj in objects]
+            outs = [byte_target(obj) or payload_of(obj)[0] for obj in objects]
         except Exception:  # the loop's read says what is wrong with it
             return False
 

@@ -53,3 +53,38 @@ def test_a_read_that_falls_back_gives_its_first_place_back() -> None:
     first, handed = allocator.made[0::2], allocator.made[1::2]
     assert [o.refs for o in first] == [0, 0]  # given back: LMCache's pool does not shrink
     assert objs == handed and all(o.refs == 1 and bool((o.tensor == 1).all()) for o in handed)
+
+
+class _PoolAllocator:
+    """Allocates as LMCache's tensor allocator does: uint8 slices of one pool."""
+
+    def __init__(self) -> None:
+        self.pool = torch.zeros(1 << 16, dtype=torch.uint8)
+        self.at = 0
+
+    def allocate(self, shape: torch.Size, dtype: torch.dtype, fmt: Any, **_: Any) -> Any:
+        from lmcache.v1.memory_management import MemoryObjMetadata, TensorMemoryObj
+
+        size = shape.numel() * dtype.itemsize
+        raw = self.pool[self.at : self.at + size]
+        meta = MemoryObjMetadata(shape, dtype, self.at, size, 1, 0, fmt, shapes=[shape], dtypes=[dtype])
+        self.at += size
+        return TensorMemoryObj(raw_data=raw, metadata=meta, parent_allocator=None)
+
+
+def test_places_for_a_read_off_the_loop_are_described_and_write_into_the_allocation() -> None:
+    """`outs(described=True)` (the blocking read off the store's loop) hands each
+    allocation over as a `ByteTarget` over its own memory; the loop's read gets tensors;
+    an allocator's object that cannot be described gets its tensor either way."""
+    from kvstore.tier_stream import ByteTarget
+    from kvstore_lmcache.chunk_io import Allocations
+
+    header = SimpleNamespace(layout="lmcache:KV_2LTD", dtype="float32", shape=(2, 4))
+    places = Allocations(2, _PoolAllocator(), PluginCounters())
+    described, plain = places.outs(described=True)[0](header), places.outs()[1](header)
+    assert isinstance(described, ByteTarget) and (described.shape, described.dtype) == ((2, 4), "float32")
+    assert isinstance(plain, torch.Tensor) and plain.shape == (2, 4)
+    described.data[:] = torch.arange(8, dtype=torch.float32).numpy().tobytes()
+    assert torch.equal(places.objs[0].tensor, torch.arange(8, dtype=torch.float32).view(2, 4))
+    fake = Allocations(1, _Allocator(), PluginCounters())
+    assert isinstance(fake.outs(described=True)[0](header), torch.Tensor)

@@ -124,13 +124,13 @@ def _pool_obj(pool: torch.Tensor, start: int, shape: tuple[int, ...], dtype: tor
     return TensorMemoryObj(raw_data=pool[start : start + size], metadata=meta, parent_allocator=None)
 
 
-def test_a_load_target_describes_an_allocators_memory_obj_and_writes_into_it():
+def test_a_byte_target_describes_an_allocators_memory_obj_and_writes_into_it():
     from kvstore.tier_stream import ByteTarget
-    from kvstore_lmcache.keymap import load_target, payload_of
+    from kvstore_lmcache.keymap import byte_target, payload_of
 
     pool = torch.zeros(1 << 16, dtype=torch.uint8)
     obj = _pool_obj(pool, 4096, (2, 4, 8, 16), torch.bfloat16)
-    target = load_target(obj)
+    target = byte_target(obj)
     assert isinstance(target, ByteTarget)
     assert (target.shape, target.dtype, target.data.nbytes) == ((2, 4, 8, 16), "bfloat16", 2 * 4 * 8 * 16 * 2)
     src = torch.randn(2, 4, 8, 16).to(torch.bfloat16)
@@ -139,9 +139,8 @@ def test_a_load_target_describes_an_allocators_memory_obj_and_writes_into_it():
     assert pool[:4096].count_nonzero() == 0 and pool[4096 + target.data.nbytes :].count_nonzero() == 0
 
 
-def test_memory_objs_a_load_target_cannot_describe_get_their_tensor():
-    from kvstore.tier_stream import ByteTarget
-    from kvstore_lmcache.keymap import load_target
+def test_memory_objs_that_cannot_be_described_are_read_into_their_tensor():
+    from kvstore_lmcache.keymap import byte_target
 
     pool = torch.zeros(1 << 16, dtype=torch.uint8)
     narrowed = _pool_obj(pool, 0, (64,), torch.uint8)
@@ -149,5 +148,4 @@ def test_memory_objs_a_load_target_cannot_describe_get_their_tensor():
     two = _pool_obj(pool, 8192, (2, 8), torch.float16, shapes=[torch.Size([2, 8]), torch.Size([4])],
                     dtypes=[torch.float16, torch.float16])
     for obj in (narrowed, two):
-        target = load_target(obj)
-        assert isinstance(target, torch.Tensor) and not isinstance(target, ByteTarget)
+        assert byte_target(obj) is None
