@@ -255,47 +255,10 @@ async def test_a_tier_with_a_codec_reads_on_the_loop(tmp_path: Path) -> None:
     await st.close()
 
 
-async def test_clean_reads_off_the_loop_still_let_an_unreadable_object_leave_the_books(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """A chunk every read of which fails (EIO), loaded alone between clean loads of other
-    chunks, leaves the books after its streak, as it does when every read is the loop's."""
-    import errno
-
-    import kvstore.backends.disk as disk
-    import kvstore.tiered.reads as reads
-
-    real = disk._stream_one
-
-    def flaky(path, sink, *a):
-        if path.name.endswith(disk.encode_filename(NAMES[0])):
-            raise OSError(errno.EIO, "Input/output error")
-        return real(path, sink, *a)
-
-    monkeypatch.setattr(disk, "_stream_one", flaky)
-    now = [1000.0]
-    monkeypatch.setattr(reads, "clock", lambda: now[0])
-    st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], tier_timeout=5)
-    t = torch.randn(64, 64)
-    await st.put_many([(NAMES[0], t), (NAMES[1], t)])
-    for _ in range(6):
-        out = torch.zeros_like(t)
-        started, sizes, _ = await _read_now(st, NAMES[:1], [out])  # (not started once off the books)
-        assert sizes is None
-        assert await st.get_many(NAMES[:1], out=[out]) == [None]
-        started, sizes, _ = await _read_now(st, NAMES[1:2], [out])
-        assert started and sizes is not None
-        now[0] += 20
-    assert st.placement.where(NAMES[0]) is None and await st.contains_many(NAMES[:2]) == [False, True]
-    await st.close()
-
-
-async def test_a_clean_read_off_the_loop_ends_a_failing_streak_before_the_next_failure_counts(
-    tmp_path: Path, monkeypatch
-) -> None:
-    """A name with two failed reads in a row, then read clean off the loop, then failing
-    once more at once (before the loop's pass over the gathered hits): a new streak, not
-    the third strike of the old one; it stays on the books."""
+async def _first_name_failing(tmp_path: Path, monkeypatch) -> tuple[list[bool], list[float], TieredStore, torch.Tensor]:
+    """A disk-tier store holding NAMES[0] and NAMES[1], every read of NAMES[0] failing
+    with EIO while ``failing[0]``, and the reader's clock at ``now[0]``:
+    (failing, now, store, the tensor both hold)."""
     import errno
 
     import kvstore.backends.disk as disk
@@ -315,6 +278,34 @@ async def test_a_clean_read_off_the_loop_ends_a_failing_streak_before_the_next_f
     st = TieredStore.from_urls([f"file://{tmp_path / 'd'}?fsync=false"], tier_timeout=5)
     t = torch.randn(64, 64)
     await st.put_many([(NAMES[0], t), (NAMES[1], t)])
+    return failing, now, st, t
+
+
+async def test_clean_reads_off_the_loop_still_let_an_unreadable_object_leave_the_books(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A chunk every read of which fails (EIO), loaded alone between clean loads of other
+    chunks, leaves the books after its streak, as it does when every read is the loop's."""
+    _, now, st, t = await _first_name_failing(tmp_path, monkeypatch)
+    for _ in range(6):
+        out = torch.zeros_like(t)
+        started, sizes, _ = await _read_now(st, NAMES[:1], [out])  # (not started once off the books)
+        assert sizes is None
+        assert await st.get_many(NAMES[:1], out=[out]) == [None]
+        started, sizes, _ = await _read_now(st, NAMES[1:2], [out])
+        assert started and sizes is not None
+        now[0] += 20
+    assert st.placement.where(NAMES[0]) is None and await st.contains_many(NAMES[:2]) == [False, True]
+    await st.close()
+
+
+async def test_a_clean_read_off_the_loop_ends_a_failing_streak_before_the_next_failure_counts(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A name with two failed reads in a row, then read clean off the loop, then failing
+    once more at once (before the loop's pass over the gathered hits): a new streak, not
+    the third strike of the old one; it stays on the books."""
+    failing, now, st, t = await _first_name_failing(tmp_path, monkeypatch)
     out = torch.zeros_like(t)
     for _ in range(3):  # X fails on the loop while the tier answers Y: a streak of two
         assert await st.get_many(NAMES[:1], out=[out]) == [None]
