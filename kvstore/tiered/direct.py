@@ -110,8 +110,8 @@ class DirectReads:
         self._idle = threading.Condition(self._lock)
         self._under_way: set[_Batch] = set()
         # clean batches whose bookkeeping waits for the loop: (tier, names, sizes, bytes read, seconds)
+        # (a pass is scheduled on the loop while this is not empty)
         self._settles: list[tuple[int, list[str], list[int], list[int], float]] = []
-        self._settle_armed = False  # a pass is scheduled on the loop
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop passes run on
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
@@ -230,11 +230,11 @@ class DirectReads:
         entry = (batch.j, batch.names, sizes, got, time.perf_counter() - batch.t0)
         self.reader.answered_off_loop(batch.j)  # (now: failed reads on the loop meanwhile count)
         with self._lock:
+            scheduled = bool(self._settles)
             self._settles.append(entry)
             self._loop = batch.loop
-            if self._settle_armed:
-                return
-            self._settle_armed = True
+        if scheduled:
+            return
         try:
             batch.loop.call_soon_threadsafe(batch.loop.call_later, SETTLE_S, self.settle_pending)
         except RuntimeError:  # the loop is closed: nothing keeps books any more
@@ -252,7 +252,6 @@ class DirectReads:
             if self._loop is not None and running is not self._loop:
                 return
             todo, self._settles = self._settles, []
-            self._settle_armed = False
         if todo:
             try:
                 self._settle(todo)
