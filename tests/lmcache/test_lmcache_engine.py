@@ -374,11 +374,12 @@ def test_a_chunk_of_several_kv_groups_is_not_promised_in_process(make_engine):
     assert cpu_bytes_in_use(eng) == 0
 
 
-def test_blocking_reads_off_the_loop_write_into_lmcaches_allocations_as_byte_targets(
-    make_engine, tmp_path, monkeypatch
-):
-    """Each allocation LMCache's allocator hands a blocking read off the store's loop is
-    written through a `ByteTarget` over its memory (no tensor view per chunk), bytes equal."""
+def test_blocking_reads_from_a_disk_tier_are_read_off_the_stores_loop(make_engine, tmp_path, monkeypatch):
+    """The storage plugin's blocking retrieve of chunks on a disk tier reads them on the
+    store's worker threads while LMCache's thread waits (no hop to the store's loop),
+    each straight into the allocation LMCache's allocator made, through a `ByteTarget`
+    over its memory (no tensor view per chunk): bytes equal, and a corrupt chunk is
+    handed to the loop's read, which quarantines it (the hit stops before it)."""
     from kvstore.tier_stream import ByteTarget, StreamTargets
 
     placed: list[type] = []
@@ -392,22 +393,6 @@ def test_blocking_reads_off_the_loop_write_into_lmcaches_allocations_as_byte_tar
     monkeypatch.setattr(StreamTargets, "_place", spy)
     eng = make_engine("plugin", False, tiers=[f"file://{tmp_path}/disk?fsync=false"])
     tokens = torch.arange(4 * CHUNK)
-    kv = random_kv(len(tokens), seed=13)
-    _store(eng, tokens, kv)
-    out = empty(len(tokens))
-    assert eng.lookup_then_load(tokens, out) == (len(tokens), len(tokens))
-    assert _same_prefix(kv, out, len(tokens))
-    assert eng.kvstore_backend().runtime.counters.reads_off_loop >= 1
-    assert placed.count(ByteTarget) >= 4, placed
-
-
-def test_blocking_reads_from_a_disk_tier_are_read_off_the_stores_loop(make_engine, tmp_path):
-    """The storage plugin's blocking retrieve of chunks on a disk tier reads them on the
-    store's worker threads while LMCache's thread waits (no hop to the store's loop):
-    bytes equal, and a corrupt chunk is handed to the loop's read, which quarantines it
-    (the hit stops before it)."""
-    eng = make_engine("plugin", False, tiers=[f"file://{tmp_path}/disk?fsync=false"])
-    tokens = torch.arange(4 * CHUNK)
     kv = random_kv(len(tokens), seed=11)
     _store(eng, tokens, kv)
     out = empty(len(tokens))
@@ -415,6 +400,7 @@ def test_blocking_reads_from_a_disk_tier_are_read_off_the_stores_loop(make_engin
     assert _same_prefix(kv, out, len(tokens))
     c = eng.kvstore_backend().runtime.counters
     assert c.reads_off_loop >= 1
+    assert placed.count(ByteTarget) == 4, placed
     assert cpu_bytes_in_use(eng) == 0
     names = _names(eng, tokens)
     disk = eng.kvstore_backend().runtime.store.tiers[0].backend
