@@ -15,7 +15,12 @@ Python one).
 Figures: milliseconds per round (min / median / max) and, per round, each adapter's
 time ÷ kvstore's (above 1.0: kvstore faster).  ``torch.set_num_threads(1)``.
 
-Usage: ``python benchmarks/bench_l2_steady.py [--shape smollm2] [--chunks 8] [--batch 4] [--rounds 15]``.
+``--stores``: each round times one store task of ``--batch`` fresh chunks per adapter
+instead (until it has completed), and the process's CPU time meanwhile (every thread's);
+then, untimed, deletes them, writes back the page cache (``os.sync()``) and waits 20 ms,
+so every round writes into the same settled state.
+
+Usage: ``python benchmarks/bench_l2_steady.py [--shape smollm2] [--chunks 8] [--batch 4] [--rounds 15] [--stores]``.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--kinds", default="kvstore,kvstore-pread,fs_native")
     p.add_argument("--dir", default=None, help="where the adapters write (default: a temp dir)")
+    p.add_argument("--stores", action="store_true", help="time store tasks of --batch fresh chunks instead")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -68,6 +74,11 @@ def main() -> None:
     keys = [object_key(i) for i in range(args.chunks)]
     adapters = {k: build_adapter(spec(k, root)) for k in kinds}
     syncs = {k: SyncL2(a, timeout_s=300) for k, a in adapters.items()}
+    if args.stores:
+        time_stores(args, kinds, syncs, data[: args.batch])
+        for a in adapters.values():
+            a.close()  # type: ignore[attr-defined]
+        os._exit(0)  # LMCache's native threads
     for k, l2 in syncs.items():
         for s in range(0, len(keys), args.batch):
             assert l2.store(keys[s : s + args.batch], data[s : s + args.batch]), f"{k}: store failed"
@@ -119,6 +130,43 @@ def main() -> None:
     for a in adapters.values():
         a.close()  # type: ignore[attr-defined]
     os._exit(0)  # LMCache's native threads
+
+
+def time_stores(args: argparse.Namespace, kinds: list[str], syncs: dict, data: list[torch.Tensor]) -> None:
+    """`--stores`: one store task of fresh chunks per adapter per round (see the docstring)."""
+    from kvstore_lmcache.l2_sync import object_key
+
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    n = 1 << 20  # keys apart from the load rounds' ones
+    for r in range(args.rounds + 1):
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
+        for k in order:
+            keys = [object_key(n + i) for i in range(len(data))]
+            n += len(data)
+            os.sync()
+            time.sleep(0.02)
+            c0, t0 = time.process_time(), time.perf_counter()
+            assert syncs[k].store(keys, data), f"{k}: store failed"
+            took, used = time.perf_counter() - t0, time.process_time() - c0
+            syncs[k].adapter.delete(keys)
+            time.sleep(0.02)  # (kvstore deletes on its loop)
+            if r:  # round 0 warms up
+                times[k].append(took * 1e3)
+                cpu[k].append(used * 1e3)
+    mib = data[0].nbytes / (1 << 20)
+    print(f"\nstore tasks of {len(data)} fresh chunks of {list(data[0].shape)} bf16 ({mib:.1f} MiB each), "
+          f"{args.rounds} rounds after a warm-up; adapters built once\n")
+    print("| adapter | ms per task min / median / max | ÷ kvstore per round min / median / max | CPU ms per task, median |")
+    print("|---|---|---|---:|")
+    base = times.get("kvstore")
+    for k in kinds:
+        ts = times[k]
+        ratio = ""
+        if base is not None and k != "kvstore":
+            rs = [t / b for t, b in zip(ts, base)]
+            ratio = f"{min(rs):.2f} / {median(rs):.2f} / {max(rs):.2f}"
+        print(f"| {k} | {min(ts):.2f} / {median(ts):.2f} / {max(ts):.2f} | {ratio} | {median(cpu[k]):.2f} |")
 
 
 if __name__ == "__main__":

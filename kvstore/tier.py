@@ -140,11 +140,21 @@ class Tier:
         run on several cores); a small one at once, on the loop, and always sealed; an
         unsealed one on the loop too where framing reads none of its bytes
         (`Codec.frames_in_place`: a hop would cost more than the framing)."""
+        now = self.encode_now(tensor, name, layout, sealed=sealed)
+        if now is not None:
+            return now
+        return await asyncio.to_thread(partial(self.encode, tensor, name, layout, sealed=sealed))
+
+    def encode_now(
+        self, tensor: torch.Tensor, name: str, layout: str = "raw", *, sealed: bool = True
+    ) -> list[memoryview] | None:
+        """`encode_off_loop`'s frame where it is made without a worker thread (a small
+        tensor, or an unsealed frame that reads none of its bytes), else None."""
         if tensor.nbytes < OFFLOAD_BYTES:
             return self.encode(tensor, name, layout)
         if not sealed and self.codec.frames_in_place(tensor):
             return self.encode(tensor, name, layout, sealed=False)
-        return await asyncio.to_thread(partial(self.encode, tensor, name, layout, sealed=sealed))
+        return None
 
     def same_codec(self, other: Tier) -> bool:
         """Whether frames `other` encodes are what this tier would encode."""

@@ -13,7 +13,8 @@ Layout::
     ROOT/quarantine/                      objects the tier found corrupt, with .reason
 
 * A put reserves its bytes in the index first (evicting least recently used objects
-  nobody is writing, across processes), then writes to a temp file beside its target
+  nobody is writing, across processes; none where that would not make room; the puts
+  of one batch in one index transaction), then writes to a temp file beside its target
   (preallocated, one ``writev`` of header and payload; for a frame still unsealed, see
   `kvstore.frame.UnsealedFrame`, the payload in 2 MiB blocks each hashed just before it
   is written, then the header that seals it: one pass over cold memory instead of
@@ -31,7 +32,7 @@ Layout::
   never indexed (an older kvstore) or whose index was lost or corrupt is indexed by one
   walk in the index thread; temp files of dead writers are swept in a thread of its own.
 * Blocking calls run in aiofiles' executor or the index thread: one hop per write plus
-  one index transaction; one hop per read when this process knows the object's size
+  one index transaction per batch; one hop per read when this process knows the object's size
   (allocate, then open + ``preadv`` + close), else two.  The exception is a lookup
   (`contains_now` on the caller's thread, `contains_many` on the loop): on a local file
   system the tier watches its shard folders (`kvstore.backends.disk_watch`: the kernel's
@@ -209,13 +210,17 @@ def _write_object(
 
     An `unsealed` frame (whose parts `parts` are) is hashed as it is written when this
     write can claim it, else written once sealed.  The shard directory (and the store's,
-    if it was removed while running) is made here.  With `stop` set by the time the
+    if it was removed while running) is made here if it is missing.  With `stop` set by the time the
     bytes are written, the file is removed unpublished (`_Abandoned`): the bytes written
     were read from buffers the caller may have reused meanwhile.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{os.getpid()}-{next(_ids)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC, 0o644)
+    tmp = f"{os.path.dirname(path)}/.{os.getpid()}-{next(_ids)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileNotFoundError:  # the shard's directory is gone (the store's removed while running)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, flags, 0o644)
     try:
         if size:
             try:
@@ -449,6 +454,7 @@ class DiskBackend(Backend):
         self._sem = asyncio.Semaphore(concurrency)
         self._write_done = asyncio.Condition()
         self._abandoned: set[asyncio.Future[list[bool]]] = set()  # writes whose callers stopped waiting
+        self._asks: list[tuple[str, int, str, asyncio.Future[str]]] = []  # reservations to send (`_ask_index`)
         self._touches: dict[str, float] = {}
         self._published: list[tuple[str, int, str]] = []
         self._adopt: set[str] = set()
@@ -852,20 +858,7 @@ class DiskBackend(Backend):
         budget is kept)."""
         deadline = time.monotonic() + LEASE_S
         while True:
-            touches, published = self._take()
-            status, evicted = await self.index.run(
-                self.index.reserve,
-                name,
-                size,
-                writer,
-                frozenset(self._reading),
-                self.capacity,
-                touches,
-                published,
-            )
-            for victim in evicted:
-                self._sizes.pop(victim, None)
-            self.evicted(evicted)
+            status = await self._ask_index(name, size, writer)
             if status == OK:
                 return True
             if status == FULL or time.monotonic() > deadline:
@@ -875,6 +868,65 @@ class DiskBackend(Backend):
                     await asyncio.wait_for(self._write_done.wait(), 0.02)
                 except asyncio.TimeoutError:
                     pass
+
+    def _ask_index(self, name: str, size: int, writer: str) -> asyncio.Future[str]:
+        """One reservation's status (`DiskIndex.reserve`), sent with every other asked in
+        the same turn of the loop in one index transaction (`DiskIndex.reserve_many`): a
+        batch's writes reserve with one hop to the index thread, not one each in turn.
+        The objects evicted for it are told to `on_evict` as the answer comes."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[str] = loop.create_future()
+        self._asks.append((name, size, writer, fut))
+        if len(self._asks) == 1:
+            loop.call_soon(self._send_asks)
+        return fut
+
+    def _send_asks(self) -> None:
+        asks, self._asks = self._asks, []
+        touches, published = self._take()
+        try:
+            job = self.index.submit(
+                self.index.reserve_many,
+                [(name, size, writer) for name, size, writer, _ in asks],
+                frozenset(self._reading),
+                self.capacity,
+                touches,
+                published,
+            )
+        except BaseException as exc:  # (closed: the index takes no more jobs) every ask fails with it
+            self._touches = {**touches, **self._touches}  # (kept for the next transaction)
+            self._published = published + self._published
+            for *_, fut in asks:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        asyncio.wrap_future(job).add_done_callback(partial(self._answer_asks, asks))
+
+    def _answer_asks(
+        self,
+        asks: list[tuple[str, int, str, asyncio.Future[str]]],
+        done: asyncio.Future[list[tuple[str, list[str]]]],
+    ) -> None:
+        exc = asyncio.CancelledError() if done.cancelled() else done.exception()
+        answers = done.result() if exc is None else [None] * len(asks)
+        for (name, _, writer, fut), answer in zip(asks, answers):
+            if answer is not None:
+                status, evicted = answer
+                for victim in evicted:
+                    self._sizes.pop(victim, None)
+                self.evicted(evicted)
+                if fut.done() and status == OK:  # nobody waits for it any more: no write comes
+                    self.index.submit(self.index.unreserve, name, writer).add_done_callback(self._unreserved)
+                elif not fut.done():
+                    fut.set_result(status)
+            elif not fut.done():
+                assert exc is not None
+                fut.set_exception(exc)
+
+    @staticmethod
+    def _unreserved(fut: concurrent.futures.Future[None]) -> None:
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("kvstore disk: index reservation could not be released: %s", fut.exception())
 
     async def _remove(self, name: str) -> bool | None:
         """True if the object existed and is gone now; False if it was not there; None if

@@ -8,10 +8,14 @@ touch: object bytes, name escaping (the backend hands in callbacks for the file 
 * One connection per backend, used only from the index's own thread (``submit``/``run``),
   so the event loop never waits on SQLite; ``busy_timeout`` lets processes queue for the
   write lock instead of failing.
-* A put *reserves* its bytes: one ``BEGIN IMMEDIATE`` transaction applies the reads and
-  publishes this process has batched, evicts least recently used rows that nobody is
-  writing (and that this process is not reading) until the new object fits, and inserts
-  its row with a lease.  Every process's reservations count against the same total, so
+* A put *reserves* its bytes: one ``BEGIN IMMEDIATE`` transaction (one for the puts a
+  batch begins together: `reserve_many`) applies the reads and publishes this process
+  has batched, evicts least recently used rows that nobody is writing (and that this
+  process is not reading) until the new object fits, and inserts its row with a lease.
+  Where evicting all of those would not make room, none is evicted: the put waits for a
+  write to finish.  A fault inside the transaction rolls it back whole (every put of the
+  batch fails; a victim's file already removed is a row without a file, dropped when
+  found).  Every process's reservations count against the same total, so
   on-disk bytes exceed the budget by at most the writes in flight (a write's temp file
   beside the object it replaces).
 * The objects on disk are the truth and the index a cache of them: a store without an
@@ -323,46 +327,70 @@ class DiskIndex:
         """Make room for `size` bytes of `name` and reserve them: (OK | WAIT | FULL, the
         names evicted).
 
-        WAIT: over budget and only objects being written (or read here) are left to evict;
-        ask again when one finishes.  FULL: a victim's file could not be removed.  Victims
-        already removed stay removed either way.  `name` None only evicts down to capacity.
+        WAIT: over budget, and evicting every object nobody is writing (or is read here)
+        would not make room: none is evicted; ask again when a write finishes.  FULL: a
+        victim's file could not be removed (victims removed before it stay removed), or no
+        write or read under way could free what is missing.  `name` None only evicts down
+        to capacity, as far as it can.
         """
         self._db()
-        now = time.time()
-        evicted: list[str] = []
         with self._tx() as c:
             self._apply(c, touches, published)
-            old = 0
-            if name is not None:
-                row = c.execute("SELECT size FROM objects WHERE name = ?", (name,)).fetchone()
-                old = row[0] if row is not None else 0
-            need = self.bytes_now(c) - old + size
-            status = OK
-            skip: set[str] = set()
-            while capacity is not None and need > capacity:
-                victims = self._victims(c, name, reading, skip, now)
-                if not victims:
-                    busy = c.execute("SELECT count(*) FROM objects WHERE lease >= ?", (now,)).fetchone()[0]
-                    status = WAIT if busy or skip or reading else FULL
+            return self._reserve_in(c, name, size, writer, reading, capacity, time.time())
+
+    def reserve_many(
+        self,
+        asks: list[tuple[str, int, str]],
+        reading: frozenset[str],
+        capacity: int | None,
+        touches: dict[str, float],
+        published: list[tuple[str, int, str]],
+    ) -> list[tuple[str, list[str]]]:
+        """`reserve` for each (name, size, writer) of `asks`, in order, in one transaction:
+        each one's (status, names evicted for it)."""
+        self._db()
+        now = time.time()
+        with self._tx() as c:
+            self._apply(c, touches, published)
+            return [self._reserve_in(c, name, size, writer, reading, capacity, now) for name, size, writer in asks]
+
+    def _reserve_in(
+        self,
+        c: sqlite3.Connection,
+        name: str | None,
+        size: int,
+        writer: str,
+        reading: frozenset[str],
+        capacity: int | None,
+        now: float,
+    ) -> tuple[str, list[str]]:
+        evicted: list[str] = []
+        old = 0
+        if name is not None:
+            row = c.execute("SELECT size FROM objects WHERE name = ?", (name,)).fetchone()
+            old = row[0] if row is not None else 0
+        need = self.bytes_now(c) - old + size
+        status = OK
+        if capacity is not None and need > capacity:
+            victims, short, passed = self._victims(c, name, reading, need - capacity, now)
+            if short and name is not None:  # evicting all it may would not make room: none
+                victims = []
+            for victim in victims:
+                if not self._unlink(victim):
+                    status = FULL
                     break
-                for victim, vsize in victims:
-                    if not self._unlink(victim):
-                        status = FULL
-                        break
-                    self._delete(c, victim)
-                    need -= vsize
-                    evicted.append(victim)
-                    if need <= capacity:
-                        break
-                if status == FULL:
-                    break
-            if status == OK and name is not None:
-                c.execute(
-                    "INSERT INTO objects (name, size, atime, writer, lease) VALUES (?, ?, ?, ?, ?)"
-                    " ON CONFLICT (name) DO UPDATE SET size = excluded.size, atime = excluded.atime,"
-                    " writer = excluded.writer, lease = excluded.lease",
-                    (name, size, now, writer, now + LEASE_S),
-                )
+                self._delete(c, victim)
+                evicted.append(victim)
+            if status == OK and short:
+                busy = c.execute("SELECT count(*) FROM objects WHERE lease >= ?", (now,)).fetchone()[0]
+                status = WAIT if busy or passed or reading else FULL
+        if status == OK and name is not None:
+            c.execute(
+                "INSERT INTO objects (name, size, atime, writer, lease) VALUES (?, ?, ?, ?, ?)"
+                " ON CONFLICT (name) DO UPDATE SET size = excluded.size, atime = excluded.atime,"
+                " writer = excluded.writer, lease = excluded.lease",
+                (name, size, now, writer, now + LEASE_S),
+            )
         return status, evicted
 
     @staticmethod
@@ -370,27 +398,29 @@ class DiskIndex:
         return int(c.execute("SELECT bytes FROM totals").fetchone()[0])
 
     def _victims(
-        self, c: sqlite3.Connection, name: str | None, reading: frozenset[str], skip: set[str], now: float
-    ) -> list[tuple[str, int]]:
-        """The next few least recently used rows nobody is writing and this process is not reading."""
-        out: list[tuple[str, int]] = []
-        offset = 0
-        while not out:
-            rows = c.execute(
-                "SELECT name, size FROM objects WHERE lease < ? ORDER BY atime LIMIT 64 OFFSET ?",
-                (now, offset),
-            ).fetchall()
-            if not rows:
-                break
-            offset += len(rows)
+        self, c: sqlite3.Connection, name: str | None, reading: frozenset[str], room: int, now: float
+    ) -> tuple[list[str], bool, bool]:
+        """The least recently used rows nobody is writing and this process is not reading,
+        oldest first, until they free `room` bytes: (their names, whether they fall short
+        of it, whether a row was passed over because this process reads it)."""
+        out: list[str] = []
+        freed = 0
+        passed = False
+        rows = c.execute("SELECT name, size FROM objects WHERE lease < ? ORDER BY atime", (now,))
+        try:
             for victim, vsize in rows:
-                if victim == name or victim in skip:
+                if victim == name:
                     continue
                 if victim in reading:
-                    skip.add(victim)
+                    passed = True
                     continue
-                out.append((victim, vsize))
-        return out
+                out.append(victim)
+                freed += vsize
+                if freed >= room:
+                    break
+        finally:
+            rows.close()
+        return out, freed < room, passed
 
     def unreserve(self, name: str, writer: str) -> None:
         """A write failed: its reservation goes, leaving the row of whatever file is there."""

@@ -181,18 +181,28 @@ class Writer:
         other reads and writes meanwhile, and a batch's codecs run on every core instead
         of one after another on the loop's.  Large frames are left unsealed: each tier's
         `Tier.put_frames` computes the checksum, on worker threads, or a disk or Redis
-        tier while it writes or sends the payload (one pass over it instead of two)."""
+        tier while it writes or sends the payload (one pass over it instead of two).
+        Frames made without a worker thread (`Tier.encode_now`) are made here, with no
+        task each."""
         top = self.p.tiers[0]
-
-        async def frame(name: str, tensor: torch.Tensor) -> list[memoryview] | None:
+        frames: list[list[memoryview] | None] = [None] * len(items)
+        later: list[int] = []
+        for i, (name, tensor) in enumerate(items):
             try:
                 check_object_name(name)
             except InvalidKeyError:
                 log.warning("kvstore: refusing to store invalid object name %r", name)
-                return None
-            return await top.encode_off_loop(tensor, name, layout, sealed=False)
-
-        return list(await asyncio.gather(*(frame(name, tensor) for name, tensor in items)))
+                continue
+            frames[i] = top.encode_now(tensor, name, layout, sealed=False)
+            if frames[i] is None:
+                later.append(i)
+        if later:
+            made = await asyncio.gather(
+                *(top.encode_off_loop(items[i][1], items[i][0], layout, sealed=False) for i in later)
+            )
+            for i, parts in zip(later, made):
+                frames[i] = parts
+        return frames
 
     def _shortest_way(
         self, steps: list[tuple[int, Write] | Move]

@@ -237,3 +237,60 @@ async def test_a_put_waits_for_another_process_write_in_flight_rather_than_overs
     assert a.stats().bytes == 100
     await a.close()
     await b.close()
+
+
+async def test_a_batchs_writes_reserve_in_one_index_transaction_evicting_oldest_first(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, capacity=5000, fsync=False)
+    for i in range(4):
+        assert await be.put(f"ns/old{i}", b"o" * 1000)
+    calls: list[int] = []
+    reserve_many = be.index.reserve_many
+
+    def counted(asks: list[tuple[str, int, str]], *rest: object) -> object:
+        calls.append(len(asks))
+        return reserve_many(asks, *rest)  # type: ignore[arg-type]
+
+    be.index.reserve_many = counted  # type: ignore[method-assign]
+    new = [(f"ns/new{i}", bytes([i]) * 1000) for i in range(3)]
+    assert await be.put_many(new) == [True] * 3
+    assert calls == [3]  # one transaction for the batch, not one hop each in turn
+    # room for the batch came from the oldest objects, in order; the budget held
+    held = await be.contains_many([f"ns/old{i}" for i in range(4)] + [n for n, _ in new])
+    assert held == [False, False, True, True, True, True, True]
+    assert be.stats().bytes <= 5000 and on_disk(tmp_path) <= 5000
+    for name, data in new:
+        assert bytes(await be.get(name)) == data
+    await be.close()
+
+
+async def test_a_write_that_cannot_fit_yet_evicts_nothing_and_the_rest_of_its_batch_is_stored(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, capacity=3000, fsync=False)
+    b = DiskBackend(tmp_path, capacity=3000, fsync=False)
+    # another process holds 2500 bytes under a write lease: a 1000-byte object cannot fit
+    status, _ = await b.index.run(b.index.reserve, "ns/busy", 2500, "other-1", frozenset(), 3000, {}, [])
+    assert status == "ok"
+    put = asyncio.ensure_future(be.put_many([("ns/a", b"a" * 400), ("ns/b", b"b" * 1000)]))
+    deadline = time.monotonic() + 10
+    while not (await be.contains_many(["ns/a"]))[0]:  # ns/a fits and is written...
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # (ns/b's reservation asks again every 20 ms meanwhile)
+    assert not put.done()  # ns/b waits for room
+    assert bytes(await be.get("ns/a")) == b"a" * 400  # ...and is not evicted for a write that cannot fit anyway
+    assert be.counters.evictions == 0
+    await b.index.run(b.index.reserve, None, 0, "", frozenset(), 3000, {}, [("ns/busy", 2500, "other-1")])
+    assert await asyncio.wait_for(put, 10) == [True, True]
+    assert be.stats().bytes <= 3000
+    await be.close()
+    await b.close()
+
+
+async def test_a_put_after_close_fails_at_once_rather_than_wait(tmp_path: Path) -> None:
+    be = DiskBackend(tmp_path, fsync=False)
+    assert await be.put("ns/a", b"a")
+    await be.close()
+    try:
+        ok = await asyncio.wait_for(be.put("ns/b", b"b"), 5)
+    except RuntimeError:
+        ok = False
+    assert not ok
