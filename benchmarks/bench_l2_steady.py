@@ -110,16 +110,8 @@ def main() -> None:
           f"{args.batch}, {args.rounds} rounds after a warm-up; adapters built once\n")
     print("| adapter | ms per round min / median / max | ÷ kvstore per round min / median / max |")
     print("|---|---|---|")
-    base = times.get("kvstore")
     for k in kinds:
-        ts = times[k]
-        cell = f"{min(ts):.2f} / {median(ts):.2f} / {max(ts):.2f}"
-        if base is None or k == "kvstore":
-            ratio = ""
-        else:
-            rs = [t / b for t, b in zip(ts, base)]
-            ratio = f"{min(rs):.2f} / {median(rs):.2f} / {max(rs):.2f}"
-        print(f"| {k} | {cell} | {ratio} |")
+        print(f"| {k} | {spread(times[k])} | {vs_kvstore(times, k)} |")
     print("\nMedian ms per step (lookup, each load task, unlock):\n")
     n_loads = len(range(0, len(keys), args.batch))
     print("| adapter | lookup | " + " | ".join(f"load {i + 1}" for i in range(n_loads)) + " | unlock |")
@@ -130,6 +122,18 @@ def main() -> None:
     for a in adapters.values():
         a.close()  # type: ignore[attr-defined]
     os._exit(0)  # LMCache's native threads
+
+
+def spread(xs: list[float]) -> str:
+    return f"{min(xs):.2f} / {median(xs):.2f} / {max(xs):.2f}"
+
+
+def vs_kvstore(times: dict[str, list[float]], kind: str) -> str:
+    """`kind`'s time ÷ kvstore's per round, min / median / max ("" for kvstore itself)."""
+    base = times.get("kvstore")
+    if base is None or kind == "kvstore":
+        return ""
+    return spread([t / b for t, b in zip(times[kind], base)])
 
 
 def time_stores(args: argparse.Namespace, kinds: list[str], syncs: dict, data: list[torch.Tensor]) -> None:
@@ -159,14 +163,8 @@ def time_stores(args: argparse.Namespace, kinds: list[str], syncs: dict, data: l
           f"{args.rounds} rounds after a warm-up; adapters built once\n")
     print("| adapter | ms per task min / median / max | ÷ kvstore per round min / median / max | CPU ms per task, median |")
     print("|---|---|---|---:|")
-    base = times.get("kvstore")
     for k in kinds:
-        ts = times[k]
-        ratio = ""
-        if base is not None and k != "kvstore":
-            rs = [t / b for t, b in zip(ts, base)]
-            ratio = f"{min(rs):.2f} / {median(rs):.2f} / {max(rs):.2f}"
-        print(f"| {k} | {min(ts):.2f} / {median(ts):.2f} / {max(ts):.2f} | {ratio} | {median(cpu[k]):.2f} |")
+        print(f"| {k} | {spread(times[k])} | {vs_kvstore(times, k)} | {median(cpu[k]):.2f} |")
 
 
 if __name__ == "__main__":

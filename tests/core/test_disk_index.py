@@ -223,16 +223,25 @@ async def test_row_without_file_is_dropped_and_file_without_row_adopted(tmp_path
     await other.close()
 
 
+async def write_elsewhere(other: DiskBackend, name: str, size: int) -> None:
+    """`other` reserves `size` bytes for `name` as if writing it: its row is leased."""
+    status, _ = await other.index.run(other.index.reserve, name, size, "other-1", frozenset(), other.capacity, {}, [])
+    assert status == "ok"
+
+
+async def published_elsewhere(other: DiskBackend, name: str, size: int) -> None:
+    """That write is done: the row is no longer leased (evictable)."""
+    await other.index.run(other.index.reserve, None, 0, "", frozenset(), other.capacity, {}, [(name, size, "other-1")])
+
+
 async def test_a_put_waits_for_another_process_write_in_flight_rather_than_overshoot(tmp_path: Path) -> None:
     a = DiskBackend(tmp_path, capacity=2000, fsync=False)
     b = DiskBackend(tmp_path, capacity=2000, fsync=False)
-    # b reserves 2000 bytes as if writing them (its row is leased), then a asks for room
-    status, _ = await b.index.run(b.index.reserve, "ns/big", 2000, "other-1", frozenset(), 2000, {}, [])
-    assert status == "ok"
+    await write_elsewhere(b, "ns/big", 2000)  # then a asks for room
     put = asyncio.ensure_future(a.put("ns/small", b"s" * 100))
     await asyncio.sleep(0.2)
     assert not put.done()  # nothing a can evict: the only row is being written
-    await b.index.run(b.index.reserve, None, 0, "", frozenset(), 2000, {}, [("ns/big", 2000, "other-1")])
+    await published_elsewhere(b, "ns/big", 2000)
     assert await asyncio.wait_for(put, 10)  # published: evictable now
     assert a.stats().bytes == 100
     await a.close()
@@ -266,9 +275,7 @@ async def test_a_batchs_writes_reserve_in_one_index_transaction_evicting_oldest_
 async def test_a_write_that_cannot_fit_yet_evicts_nothing_and_the_rest_of_its_batch_is_stored(tmp_path: Path) -> None:
     be = DiskBackend(tmp_path, capacity=3000, fsync=False)
     b = DiskBackend(tmp_path, capacity=3000, fsync=False)
-    # another process holds 2500 bytes under a write lease: a 1000-byte object cannot fit
-    status, _ = await b.index.run(b.index.reserve, "ns/busy", 2500, "other-1", frozenset(), 3000, {}, [])
-    assert status == "ok"
+    await write_elsewhere(b, "ns/busy", 2500)  # 2500 bytes leased: a 1000-byte object cannot fit
     put = asyncio.ensure_future(be.put_many([("ns/a", b"a" * 400), ("ns/b", b"b" * 1000)]))
     deadline = time.monotonic() + 10
     while not (await be.contains_many(["ns/a"]))[0]:  # ns/a fits and is written...
@@ -278,7 +285,7 @@ async def test_a_write_that_cannot_fit_yet_evicts_nothing_and_the_rest_of_its_ba
     assert not put.done()  # ns/b waits for room
     assert bytes(await be.get("ns/a")) == b"a" * 400  # ...and is not evicted for a write that cannot fit anyway
     assert be.counters.evictions == 0
-    await b.index.run(b.index.reserve, None, 0, "", frozenset(), 3000, {}, [("ns/busy", 2500, "other-1")])
+    await published_elsewhere(b, "ns/busy", 2500)
     assert await asyncio.wait_for(put, 10) == [True, True]
     assert be.stats().bytes <= 3000
     await be.close()
