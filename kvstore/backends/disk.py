@@ -32,8 +32,8 @@ Layout::
   never indexed (an older kvstore) or whose index was lost or corrupt is indexed by one
   walk in the index thread; temp files of dead writers are swept in a thread of its own.
 * Blocking calls run in aiofiles' executor or the index thread: one hop per write plus
-  one index transaction per batch; one hop per read when this process knows the object's size
-  (allocate, then open + ``preadv`` + close), else two.  The exception is a lookup
+  one index transaction per batch; one hop per read when this process knows the
+  object's size (allocate, then open + ``preadv`` + close), else two.  The exception is a lookup
   (`contains_now` on the caller's thread, `contains_many` on the loop): on a local file
   system the tier watches its shard folders (`kvstore.backends.disk_watch`: the kernel's
   file events keep the set of file names, so `contains_now` stats nothing, for up to
@@ -210,9 +210,9 @@ def _write_object(
 
     An `unsealed` frame (whose parts `parts` are) is hashed as it is written when this
     write can claim it, else written once sealed.  The shard directory (and the store's,
-    if it was removed while running) is made here if it is missing.  With `stop` set by the time the
-    bytes are written, the file is removed unpublished (`_Abandoned`): the bytes written
-    were read from buffers the caller may have reused meanwhile.
+    if it was removed while running) is made here if it is missing.  With `stop` set by
+    the time the bytes are written, the file is removed unpublished (`_Abandoned`): the
+    bytes written were read from buffers the caller may have reused meanwhile.
     """
     tmp = f"{os.path.dirname(path)}/.{os.getpid()}-{next(_ids)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _CLOEXEC
@@ -916,12 +916,20 @@ class DiskBackend(Backend):
                     self._sizes.pop(victim, None)
                 self.evicted(evicted)
                 if fut.done() and status == OK:  # nobody waits for it any more: no write comes
-                    self.index.submit(self.index.unreserve, name, writer).add_done_callback(self._unreserved)
+                    self._release(name, writer)
                 elif not fut.done():
                     fut.set_result(status)
             elif not fut.done():
                 assert exc is not None
                 fut.set_exception(exc)
+
+    def _release(self, name: str, writer: str) -> None:
+        """Give back a reservation no write will use (best effort: its lease lapses anyway)."""
+        try:
+            job = self.index.submit(self.index.unreserve, name, writer)
+        except RuntimeError:  # the index is closed: the lease lapses
+            return
+        job.add_done_callback(self._unreserved)
 
     @staticmethod
     def _unreserved(fut: concurrent.futures.Future[None]) -> None:

@@ -301,3 +301,17 @@ async def test_a_put_after_close_fails_at_once_rather_than_wait(tmp_path: Path) 
     except RuntimeError:
         ok = False
     assert not ok
+
+
+async def test_a_reservation_nobody_waits_for_any_more_is_given_back(tmp_path: Path) -> None:
+    a = DiskBackend(tmp_path, capacity=1000, fsync=False)
+    b = DiskBackend(tmp_path, capacity=1000, fsync=False)
+    await a.ready()
+    ask = a._ask_index("ns/gone", 1000, "a-1")  # a write reserving all 1000 bytes...
+    ask.cancel()  # ...whose caller stopped waiting before the index answered
+    await asyncio.sleep(0)  # (the ask goes to the index)
+    assert await a.index.run(a.index.sizes, ["ns/gone"]) == {"ns/gone": 1000}  # reserved: leased
+    # given back once answered; else its lease would hold the whole budget for minutes
+    assert await asyncio.wait_for(b.put("ns/b", b"b" * 1000), 10)
+    await a.close()
+    await b.close()
