@@ -33,8 +33,8 @@ Layout::
   walk in the index thread; temp files of dead writers are swept in a thread of its own.
 * Blocking calls run in aiofiles' executor or the index thread: one hop per write plus
   one index transaction per batch; one hop per read when this process knows the
-  object's size (allocate, then open + ``preadv`` + close), else two.  The exception is a lookup
-  (`contains_now` on the caller's thread, `contains_many` on the loop): on a local file
+  object's size (allocate, then open + ``preadv`` + close), else two.  The exception is
+  a lookup (`contains_now` on the caller's thread, `contains_many` on the loop): on a local file
   system the tier watches its shard folders (`kvstore.backends.disk_watch`: the kernel's
   file events keep the set of file names, so `contains_now` stats nothing, for up to
   1,024 names at once; ``watch=false`` to stat instead), else it stats a few names on the

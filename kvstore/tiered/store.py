@@ -235,9 +235,9 @@ class TieredStore:
         worker threads at once, and `done` is called from one of them with the payload
         sizes once every object is in its target, verified, or with None once nothing
         more is written into the targets and the batch needs `get_many` (a miss, a
-        defect, anything but a clean hit).  False: not started (the names are not all on one tier that can
-        read off the loop, or the books were changing); call `get_many`.  See
-        `kvstore.tiered.direct`."""
+        defect, anything but a clean hit).  False: not started (the names are not all on
+        one tier that can read off the loop, or the books were changing); call
+        `get_many`.  See `kvstore.tiered.direct`."""
         if self._closed:
             return False
         return self.direct.start(names, outs, done, loop)
