@@ -16,6 +16,16 @@ memory). TTFT is the wall time of ``generate`` with ``max_tokens=1`` for one pro
 ``cached`` is vLLM's count of prompt tokens it did not compute. Rounds are interleaved
 across phases, and the figures are min / median / max over all rounds.
 
+Whether a repeat really came from L2 is up to LMCache's L1 (its eviction runs once a
+second, and a store that finds no room is dropped), so the server's log decides: each
+request's prefetch line says how many chunks were in L1 and how many were loaded from the
+L2 adapter, and in what time. Those are joined to the samples by vLLM's request number
+(``from_l2``, ``prefetch_ms``) and the loaded samples are summarised again by where their
+chunks came from. ``--settle-each`` waits for each cold prompt's L2 writes to land before
+the next prompt (without it, prompts 0.3 s apart filled the L1 with chunks not yet in L2
+and later stores were dropped); ``--logs DIR`` keeps each mode's server log and engine
+stderr.
+
 The model is random (``load_format="dummy"``) with the shape of a Llama-3-8B by default:
 no weights or tokenizer are needed, and compute and KV bytes per token are those of the
 real model. Token ids of the cold and loaded runs are compared (``same_token``) as a
@@ -23,6 +33,7 @@ check that loaded KV is the KV that was stored.
 
     python3 benchmarks/bench_vllm_e2e.py --out e2e.json [--modes none,kvstore,fs]
         [--prompt-tokens 8192] [--prompts 6] [--repeats 3] [--rounds 2] [--l1-gb 4]
+        [--settle-each] [--logs DIR]
 
 Needs vLLM, LMCache 0.5.6 and a CUDA device; ``kvstore_lmcache`` must be importable in
 the server's environment.
@@ -34,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -172,12 +184,12 @@ def child(mode: str, args: argparse.Namespace) -> None:
         def prompt() -> list[int]:
             return [rng.randrange(1000, 120000) for _ in range(n)]
 
-        def run(ids: list[int]) -> tuple[float, int, int]:
+        def run(ids: list[int]) -> tuple[float, int, int, str]:
             torch.cuda.synchronize()
             t = time.perf_counter()
             out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0]
             dt = time.perf_counter() - t
-            return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0])
+            return dt, int(out.num_cached_tokens or 0), int(out.outputs[0].token_ids[0]), str(out.request_id)
 
         l2_dir = root / ("kvstore" if mode == "kvstore" else "lmcache-fs")
         for _ in range(2):  # warm-up, not counted
@@ -187,18 +199,22 @@ def child(mode: str, args: argparse.Namespace) -> None:
             prompts = [prompt() for _ in range(args.prompts)]
             first: dict[int, int] = {}
             for i, ids in enumerate(prompts):
-                dt, cached, tok = run(ids)
+                dt, cached, tok, req = run(ids)
                 first[i] = tok
-                print(json.dumps({"mode": mode, "round": rnd, "phase": "cold", "i": i, "ttft_s": dt, "cached": cached}), flush=True)
-                time.sleep(0.3)
+                print(json.dumps({"mode": mode, "round": rnd, "phase": "cold", "i": i, "ttft_s": dt, "cached": cached,
+                                  "req": req}), flush=True)
+                if args.settle_each and mode != "none":
+                    settle(l2_dir, args.settle_s)  # its L2 writes landed before the next store
+                else:
+                    time.sleep(0.3)
             if mode == "none":
                 continue
             settle(l2_dir, args.settle_s)
             for phase in ("l2", "l1"):
                 for i in range(args.repeats):
-                    dt, cached, tok = run(prompts[i])
+                    dt, cached, tok, req = run(prompts[i])
                     rec = {"mode": mode, "round": rnd, "phase": phase, "i": i, "ttft_s": dt, "cached": cached,
-                           "same_token": tok == first[i]}
+                           "same_token": tok == first[i], "req": req}
                     print(json.dumps(rec), flush=True)
         l2 = dir_bytes(l2_dir)
         print(json.dumps({"mode": mode, "event": "done", "l2_bytes": l2}), flush=True)
@@ -211,17 +227,48 @@ def child(mode: str, args: argparse.Namespace) -> None:
                 server.kill()
 
 
+PREFETCH = re.compile(
+    r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\) "
+    r"in ([\d.]+) ms \(external_request_id=([^,)\s]+)"
+)
+
+
+def server_facts(text: str) -> dict[str, Any]:
+    """What the LMCache server's log says: each request's prefetch (chunks found in L1 and
+    loaded from L2, and its time), keyed by vLLM's request number, and how many stores
+    found no room in L1 (LMCache drops those chunks)."""
+    prefetch: dict[str, dict[str, float]] = {}
+    for m in PREFETCH.finditer(text):
+        req = m.group(6).split("-", 1)[0]
+        prefetch[req] = {"l1": int(m.group(3)), "l2": int(m.group(4)), "ms": float(m.group(5))}
+    return {"prefetch": prefetch, "alloc_failures": text.count("Failed to batched allocate")}
+
+
+def attach_prefetches(rows: list[dict[str, Any]], facts: dict[str, Any]) -> None:
+    """Mark each loaded sample with where its chunks came from (`from_l2`: chunks the
+    server loaded from its L2 adapter for this request; 0 = all were in its L1)."""
+    for r in rows:
+        hit = facts["prefetch"].get(str(r.get("req", "")).split("-", 1)[0])
+        if hit is not None and r.get("cached", 0) > 0:
+            r["from_l2"], r["prefetch_ms"] = int(hit["l2"]), hit["ms"]
+
+
 def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
         if "phase" not in r:
             continue
-        key = f"{r['mode']}/{r['phase']}"
-        out.setdefault(key, {"ttft_ms": [], "cached": [], "same_token": []})
-        out[key]["ttft_ms"].append(r["ttft_s"] * 1e3)
-        out[key]["cached"].append(r["cached"])
-        if "same_token" in r:
-            out[key]["same_token"].append(r["same_token"])
+        keys = [f"{r['mode']}/{r['phase']}"]
+        if "from_l2" in r:  # loaded samples again, by where the server found their chunks
+            keys.append(f"{r['mode']}/loaded, {'L2 adapter' if r['from_l2'] else 'server L1 only'}")
+        for key in keys:
+            out.setdefault(key, {"ttft_ms": [], "cached": [], "same_token": [], "prefetch_ms": []})
+            out[key]["ttft_ms"].append(r["ttft_s"] * 1e3)
+            out[key]["cached"].append(r["cached"])
+            if "same_token" in r:
+                out[key]["same_token"].append(r["same_token"])
+            if "prefetch_ms" in r:
+                out[key]["prefetch_ms"].append(r["prefetch_ms"])
     table = {}
     for key, v in out.items():
         t = v["ttft_ms"]
@@ -230,6 +277,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "max_ms": round(max(t), 1), "median_cached": statistics.median(v["cached"]),
             "same_token": f"{sum(v['same_token'])}/{len(v['same_token'])}" if v["same_token"] else "",
         }
+        if v["prefetch_ms"]:
+            table[key]["median_prefetch_ms"] = round(statistics.median(v["prefetch_ms"]), 1)
     base = table.get("none/cold", {}).get("median_ms")
     if base:
         for v in table.values():
@@ -248,6 +297,9 @@ def main() -> None:
     ap.add_argument("--l1-gb", type=float, default=4.0)
     ap.add_argument("--gpu-util", type=float, default=0.5)
     ap.add_argument("--settle-s", type=float, default=2.0)
+    ap.add_argument("--settle-each", action="store_true",
+                    help="after each cold prompt, wait for the L2 directory to stop growing")
+    ap.add_argument("--logs", default="", help="folder to copy each mode's server log and engine stderr to")
     ap.add_argument("--server-timeout", type=float, default=120.0)
     ap.add_argument("--mode-timeout", type=float, default=300.0)
     ap.add_argument("--workdir", default="")
@@ -265,6 +317,8 @@ def main() -> None:
         for k in ("prompt_tokens", "prompts", "repeats", "rounds", "chunk_size", "l1_gb", "gpu_util", "settle_s",
                   "server_timeout"):
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+        if args.settle_each:
+            cmd.append("--settle-each")
         # its own process group, so a mode that runs out of time takes its LMCache server
         # with it (a SIGKILLed child never reaches its `finally`)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -283,8 +337,23 @@ def main() -> None:
         if rc != 0:
             errors[mode] = err[-6000:]
             print(f"--- mode {mode} failed (rc {rc}):\n{err[-6000:]}", flush=True)
+        if args.logs:
+            logs = Path(args.logs)
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"engine-{mode}.log").write_text(err)
+            for log in work.glob("server-*.log"):
+                shutil.copy(log, logs / log.name)
         for log in work.glob("server-*.log"):
             text = log.read_text(errors="replace")
+            facts = server_facts(text)
+            attach_prefetches([r for r in rows if r.get("mode") == mode], facts)
+            print(json.dumps({"mode": mode, "event": "server", "prefetches": len(facts["prefetch"]),
+                              "from_l2": sum(1 for f in facts["prefetch"].values() if f["l2"]),
+                              "alloc_failures": facts["alloc_failures"]}), flush=True)
+            warnings = [line for line in text.splitlines() if "WARNING" in line or "ERROR" in line]
+            print(f"--- {log.name}: {len(warnings)} warning/error lines", flush=True)
+            for line in warnings[:5]:
+                print(f"    {line[:300]}", flush=True)
             print(f"--- {log.name} (last 1500 chars):\n{text[-1500:]}", flush=True)
         shutil.rmtree(work, ignore_errors=True)
     table = summarise(rows)
@@ -296,4 +365,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM's sampler imports FlashInfer unless told not to; it is not needed for greedy
+    # sampling and is not in the offline bundle (offline_vllm_bundle.py)
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     main()

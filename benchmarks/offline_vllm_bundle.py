@@ -12,16 +12,24 @@ index, and to which a call carries at most ~60 MiB. This script, run where pip w
    what an offline Llama-style run on Hopper does not load: vLLM's FlashAttention-2 and
    MoE extensions, its Rust front end and vendored CUDA headers, and xgrammar's static
    library; then strips debug sections from every shared library;
-3. packs the folder as one xz tar and cuts it into parts of at most `--part-mib`, each in
-   a folder of its own under `--out` (``part1/``, ``part2/``, ...), to be carried one per
-   call and gathered on the target:
+3. packs the folder as xz tars that each unpack on their own: every file over 16 MiB
+   (vLLM's kernels) in a tar of its own, the rest one tar per top-level entry; then
+   deals the tars into parts of at most `--part-mib` (largest first, first fit), each
+   in a folder of its own under `--out` (``part1/``, ``part2/``, ...). One part is
+   carried per call; a call unpacks its part at once, so a part's work never waits
+   for the next one to arrive:
 
-       mkdir -p /tmp/b /tmp/site && cp <part folder>/* /tmp/b/        # once per call
-       cat /tmp/b/bundle.txz.* | python3 -c "import lzma,sys,shutil; \\
-           shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer, 1<<22)" \\
-           | tar -x -C /tmp/site
+       mkdir -p /tmp/site
+       for f in <part folder>/*.txz; do python3 -c "import lzma,sys,shutil; \\
+           shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer, 1<<22)" "$f" \\
+           | tar -x -C /tmp/site; done
        ln -sfn $PWD/plugins /tmp/site/kvstore_lmcache
        PYTHONPATH=$PWD:/tmp/site python3 benchmarks/bench_vllm_e2e.py --out e2e.json
+
+   On a lent H200 (2026-11-28) the parts came to 45 MiB (LMCache, the requirements,
+   FlashAttention-3 and vLLM's Python) and 53 MiB (vLLM's `_C_stable_libtorch`), carried
+   in two calls to one machine kept warm between them: the second call's folder is
+   unpacked beside the first's.
 
     python3 benchmarks/offline_vllm_bundle.py --have have.txt --out .bundle [--vllm 0.26.0]
 
@@ -56,7 +64,11 @@ LEAVE_OUT = (
     "vllm/third_party/deep_gemm/include",
     "vllm/third_party/fmha_sm100",
     "xgrammar/lib/libxgrammar.a",
+    # built against torch 2.13: does not load against the image's torch 2.11, and LMCache
+    # falls back to torch for its copies either way
+    "lmcache/cuda_ops.cpython-312-x86_64-linux-gnu.so",
 )
+BIG = 16 << 20  # files over this size travel in a tar of their own
 # requirements that are optional on that path, or GPU kernels for other models / chips
 SKIP = {
     "torch", "torchaudio", "torchvision", "torchcodec", "pynvvideocodec", "flashinfer-python",
@@ -151,20 +163,55 @@ def main() -> None:
                 target.unlink()
         for lib in site.rglob("*.so"):
             subprocess.run(["strip", "--strip-debug", str(lib)], check=False)
-        bundle = work / "bundle.txz"
-        with tarfile.open(bundle, "w:xz", preset=7) as tar:
-            for entry in sorted(site.iterdir()):
-                tar.add(entry, arcname=entry.name)
         out.mkdir(parents=True, exist_ok=True)
-        size, step = bundle.stat().st_size, args.part_mib << 20
-        with bundle.open("rb") as f:
-            for k in range(-(-size // step)):
-                part = out / f"part{k + 1}"
-                part.mkdir(exist_ok=True)
-                (part / f"bundle.txz.{k:02d}").write_bytes(f.read(step))
+        tars = pack(site, work / "tars")
+        parts = deal(tars, args.part_mib << 20)
+        for k, members in enumerate(parts, 1):
+            folder = out / f"part{k}"
+            folder.mkdir(exist_ok=True)
+            for tar in members:
+                shutil.move(str(tar), folder / tar.name)
+        sizes = ", ".join(f"{sum(t.stat().st_size for t in (out / f'part{k}').glob('*.txz')) / 2**20:.0f}"
+                          for k in range(1, len(parts) + 1))
         print(f"{len(picked)} packages beside vllm {args.vllm} and lmcache {args.lmcache}: "
-              f"{size / 2**20:.0f} MiB in {-(-size // step)} parts under {out}")
+              f"{len(parts)} parts under {out}, MiB: {sizes}")
 
+
+def pack(site: Path, into: Path) -> list[Path]:
+    """xz tars of `site` that each unpack on their own: one per file over BIG, one per
+    top-level entry for the rest."""
+    into.mkdir()
+    big = sorted(p for p in site.rglob("*") if p.is_file() and p.stat().st_size > BIG)
+    alone = set(big)
+
+    def rest(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        return None if site / info.name in alone else info
+
+    made = []
+    for path in big:
+        made.append(into / (path.relative_to(site).as_posix().replace("/", "+") + ".txz"))
+        with tarfile.open(made[-1], "w:xz", preset=6) as tar:
+            tar.add(path, arcname=path.relative_to(site).as_posix())
+    for entry in sorted(site.iterdir()):
+        made.append(into / f"{entry.name}.txz")
+        with tarfile.open(made[-1], "w:xz", preset=6) as tar:
+            tar.add(entry, arcname=entry.name, filter=rest)
+    return made
+
+def deal(tars: list[Path], cap: int) -> list[list[Path]]:
+    """Largest first into the first part with room (a tar over `cap` gets a part alone)."""
+    parts: list[list[Path]] = []
+    room: list[int] = []
+    for tar in sorted(tars, key=lambda t: t.stat().st_size, reverse=True):
+        size = tar.stat().st_size
+        k = next((i for i, r in enumerate(room) if r >= size), None)
+        if k is None:
+            parts.append([tar])
+            room.append(cap - size)
+        else:
+            parts[k].append(tar)
+            room[k] -= size
+    return parts
 
 if __name__ == "__main__":
     main()
