@@ -708,6 +708,14 @@ class DiskBackend(Backend):
         self._touches, self._published = {}, []
         return touches, published
 
+    def _keep(self, touches: dict[str, float], published: list[tuple[str, int, str]]) -> None:
+        """Touches and publishes taken for a transaction that did not happen, put back
+        for the next (a published row left leased would hold its bytes until its lease
+        lapses, and writes elsewhere would wait for it)."""
+        if not self._closed:
+            self._touches = {**touches, **self._touches}
+            self._published = published + self._published
+
     def _flush_now(self) -> asyncio.Future[None] | None:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
@@ -719,13 +727,16 @@ class DiskBackend(Backend):
             return None
         fut = asyncio.wrap_future(self.index.submit(self.index.flush, touches, published, adopt, missing))
         self._flushing.add(fut)
-        fut.add_done_callback(self._flushed)
+        fut.add_done_callback(partial(self._flushed, touches, published))
         return fut
 
-    def _flushed(self, fut: asyncio.Future[None]) -> None:
+    def _flushed(
+        self, touches: dict[str, float], published: list[tuple[str, int, str]], fut: asyncio.Future[None]
+    ) -> None:
         self._flushing.discard(fut)
         if not fut.cancelled() and fut.exception() is not None:
             log.warning("kvstore disk: index update failed: %s", fut.exception())
+            self._keep(touches, published)
 
     async def flush(self) -> None:
         """Write what this process's reads found into the shared index now."""
@@ -816,7 +827,7 @@ class DiskBackend(Backend):
             writer = f"{os.getpid()}-{next(_ids)}"
             try:
                 reserved = await self._reserve(name, size, writer)
-            except (sqlite3.Error, OSError) as exc:
+            except (sqlite3.Error, OSError, RuntimeError) as exc:  # (RuntimeError: closed)
                 log.error("kvstore disk: index %s cannot take a write: %s", self.index.path, exc)
                 self.counters.put_errors += 1
                 return False
@@ -858,7 +869,16 @@ class DiskBackend(Backend):
         budget is kept)."""
         deadline = time.monotonic() + LEASE_S
         while True:
-            status = await self._ask_index(name, size, writer)
+            ask = self._ask_index(name, size, writer)
+            try:
+                status = await ask
+            except asyncio.CancelledError:
+                # answered OK, but this task was cancelled before it went on: no write
+                # comes, so the bytes go back (cancelled before the answer:
+                # `_answer_asks` gives them back)
+                if ask.done() and not ask.cancelled() and ask.exception() is None and ask.result() == OK:
+                    self._release(name, writer)
+                raise
             if status == OK:
                 return True
             if status == FULL or time.monotonic() > deadline:
@@ -894,21 +914,24 @@ class DiskBackend(Backend):
                 published,
             )
         except BaseException as exc:  # (closed: the index takes no more jobs) every ask fails with it
-            self._touches = {**touches, **self._touches}  # (kept for the next transaction)
-            self._published = published + self._published
+            self._keep(touches, published)  # (for the next transaction)
             for *_, fut in asks:
                 if not fut.done():
                     fut.set_exception(exc)
             return
-        asyncio.wrap_future(job).add_done_callback(partial(self._answer_asks, asks))
+        asyncio.wrap_future(job).add_done_callback(partial(self._answer_asks, asks, touches, published))
 
     def _answer_asks(
         self,
         asks: list[tuple[str, int, str, asyncio.Future[str]]],
+        touches: dict[str, float],
+        published: list[tuple[str, int, str]],
         done: asyncio.Future[list[tuple[str, list[str]]]],
     ) -> None:
         exc = asyncio.CancelledError() if done.cancelled() else done.exception()
         answers = done.result() if exc is None else [None] * len(asks)
+        if exc is not None:  # the transaction did not commit: its touches and publishes go with the next
+            self._keep(touches, published)
         for (name, _, writer, fut), answer in zip(asks, answers):
             if answer is not None:
                 status, evicted = answer

@@ -81,6 +81,7 @@ class DiskIndex:
         self.bytes = 0
         self.complete = False  # every file on disk has been indexed once
         self.rebuilt = 0  # how many directory walks this index has done
+        self._shut = False  # closed: no job reopens the index (one queued behind the close)
 
     # ---- threading ------------------------------------------------------------
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
@@ -91,6 +92,7 @@ class DiskIndex:
 
     def close(self) -> None:
         def shut() -> None:
+            self._shut = True
             if self._conn is not None:
                 try:
                     self._forget_if_empty(self._conn)
@@ -234,6 +236,8 @@ class DiskIndex:
             same = False
         except OSError:
             same = True
+        if self._shut:
+            raise RuntimeError(f"kvstore disk: index {self.path} is closed")
         if not same or self._conn is None:
             self.connect()
             if not self.complete:
