@@ -346,6 +346,7 @@ class S3Backend(Backend):
                 ok = True
                 return None
             self.errors[kind] += 1
+            ok = kind == "changed"  # (412: rewritten under a read: the server answered, a miss, no fault)
             if kind == "other":  # not a server or network fault: most likely a bug, show it
                 log.warning("S3 operation failed unexpectedly", exc_info=exc)
             else:
@@ -793,6 +794,7 @@ class S3Backend(Backend):
                 ok = True
                 return None, 0
             self.errors[kind] += 1
+            ok = kind == "changed"  # (412: rewritten between the first GET and a range: no fault)
             if kind == "other":
                 log.warning("S3 streamed read failed unexpectedly", exc_info=exc)
             else:

@@ -46,11 +46,13 @@ class Fault(str, enum.Enum):
     ERROR_500 = "error_500"  # 500 <Code>InternalError</Code>
     RESET = "reset"  # TCP RST instead of an answer
     STALL = "stall"  # read the request, never answer (until the proxy closes)
+    PRECONDITION = "precondition"  # 412 <Code>PreconditionFailed</Code>: an object changed under a read
 
 
 _BODIES = {
     Fault.SLOWDOWN: (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
     Fault.ERROR_500: (500, "Internal Server Error", "InternalError", "We encountered an internal error."),
+    Fault.PRECONDITION: (412, "Precondition Failed", "PreconditionFailed", "At least one of the pre-conditions you specified did not hold"),
 }
 
 

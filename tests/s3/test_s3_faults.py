@@ -127,6 +127,21 @@ async def test_breaker_opens_stops_calling_and_half_opens_to_recover(env, proxy)
 
 
 @pytest.mark.parametrize("stream", ["false", "true"])
+async def test_objects_changed_under_reads_are_misses_that_do_not_open_the_breaker(env, proxy, stream):
+    """A 412 (an object rewritten between a read's first GET and its ranges, which ask
+    for the first one's ETag) is the server answering correctly: a counted miss, and the
+    breaker stays closed for the reads that follow."""
+    url = proxied_url(proxy, f"changed-{stream}", stream=stream, max_attempts=2, breaker_failures=3)
+    async with open_backend(url) as b:
+        assert await b.put("c/1", b"one")
+        proxy.inject(Fault.PRECONDITION, count=5)
+        assert await b.get_many(["c/1"] * 5) == [None] * 5
+        assert b.stats().extra["errors"]["changed"] == 5
+        assert b.breaker.state.value == "closed"
+        assert await b.get("c/1") == memoryview(b"one")  # served at once: no breaker to wait out
+
+
+@pytest.mark.parametrize("stream", ["false", "true"])
 async def test_reads_their_callers_cancel_do_not_open_the_breaker(env, server, stream):
     """A caller that stops waiting (a tier deadline, an aborted request) says nothing
     about the server: cancelled reads of a healthy server leave the breaker closed and
