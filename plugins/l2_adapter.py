@@ -349,6 +349,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         all_ok = len(names) == len(keys)
         new_keys: list[ObjectKey] = []
         new_sizes: list[int] = []
+        resized: list[tuple[ObjectKey, int]] = []  # (key, the size LMCache was told before)
         nbytes = 0
         for (group, _), res in zip(groups, results):
             for i, ok in zip(group, res):
@@ -359,13 +360,19 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 size = objects[i].get_size()
                 nbytes += size
                 with self._lock:
-                    fresh = stored not in self._sizes
+                    before = self._sizes.get(stored)
                     self._sizes[stored] = size
                     self._keys[stored] = keys[i]
-                if fresh:
+                if before is None:
+                    new_keys.append(keys[i])
+                    new_sizes.append(size)
+                elif before != size:  # (an earlier run's object, counted at its stored size)
+                    resized.append((keys[i], before))
                     new_keys.append(keys[i])
                     new_sizes.append(size)
         self.counters.stores += len(keys)
+        if resized:  # LMCache's usage: the old size out, the new one in (below)
+            self._tell("deleted", self._notify_keys_deleted, [k for k, _ in resized], [b for _, b in resized])
         if new_keys:
             self._tell("stored", self._notify_keys_stored, new_keys, new_sizes)
         return all_ok, nbytes
@@ -596,8 +603,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if not pairs or self._closed:
             return
         names = [n for _, n in pairs]
-        self.runtime.call(self.runtime.store.delete_many(names), [False] * len(names), "delete")
-        self._gone(names)
+        done: list[bool] | None = self.runtime.call(self.runtime.store.delete_many(names), None, "delete")
+        if done is not None:  # (gone, or not held: either way not there now)
+            self._gone(names)  # a delete that failed or timed out leaves them counted, for a later one
 
     def _gone(self, names: list[str]) -> None:
         """Names that left every tier (deleted, or evicted by kvstore's own policy)."""

@@ -246,6 +246,39 @@ def test_the_start_listing_leaves_chunks_being_stored_to_their_store(make_adapte
     assert ad.get_usage().total_bytes_used == before + kv(3).nbytes, "counted once"
 
 
+def test_a_chunk_from_an_earlier_run_stored_again_is_counted_once_at_its_new_size(make_adapter, tmp_path):
+    """The start listing counts a chunk at its stored (frame) size; stored again here, it
+    counts at the size its store gave, so deleting it takes out what was put in."""
+    url = f"file://{tmp_path}/d?fsync=false"
+    other = make_adapter([url])
+    assert store(other, [okey(1), okey(2)], [kv(1), kv(2)])
+    ad = make_adapter([url])
+    ad.runtime.submit(ad._adopt_existing()).result(10)
+    framed = ad.get_usage().total_bytes_used
+    assert framed > 2 * kv(1).nbytes  # two frames, header and all
+    assert store(ad, [okey(1)], [kv(1)])
+    assert ad.get_usage().total_bytes_used == framed // 2 + kv(1).nbytes
+    ad.delete([okey(1), okey(2)])
+    assert ad.get_usage().total_bytes_used == 0  # nothing left over, nothing taken twice
+
+
+def test_a_delete_that_fails_leaves_the_chunks_counted(make_adapter):
+    ad = make_adapter()
+    keys = [okey(i) for i in range(2)]
+    assert store(ad, keys, [kv(0), kv(1)])
+    used = ad.get_usage().total_bytes_used
+
+    async def broken(names):
+        raise OSError("the disk went away")
+
+    with mock.patch.object(ad.runtime.store, "delete_many", broken):
+        ad.delete(keys)
+    assert lookup(ad, keys) == [True, True]
+    assert ad.get_usage().total_bytes_used == used  # still there, still counted
+    ad.delete(keys)
+    assert ad.get_usage().total_bytes_used == 0
+
+
 def test_models_ranks_groups_and_salts_never_collide(make_adapter):
     ad = make_adapter()
     variants = [
