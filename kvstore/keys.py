@@ -221,6 +221,12 @@ class ChunkKey:
         )
 
 
+def chunk_hash_of(name: str) -> int | str | bytes:
+    """The chunk hash a chunk object name ends with (readable also where the name's
+    other components were shortened); raises `InvalidKeyError` otherwise."""
+    return _parse_hash(check_object_name(name).rpartition("/")[2])
+
+
 def namespace_prefix(namespace: str, model: str | None = None) -> str:
     """The listing prefix of a namespace, or of one model inside it (ends with ``/``)."""
     prefix = escape_component(namespace) + "/"

@@ -41,7 +41,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from lmcache.lmcache_native import Bitmap
@@ -51,10 +51,17 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.platform import create_event_notifier
 
 from kvstore.deadlines import within
-from kvstore.keys import ChunkKey, InvalidKeyError, namespace_prefix
+from kvstore.keys import ChunkKey, InvalidKeyError, chunk_hash_of, namespace_prefix
 from kvstore.metrics_export import export_store, parse_port
 from kvstore.store_config import KEYS, StoreConfig, StoreConfigError
-from kvstore_lmcache.keymap import byte_target, mp_object_key, mp_object_name, mp_object_names, payload_of
+from kvstore_lmcache.keymap import (
+    byte_target,
+    mp_chunk_key,
+    mp_object_key,
+    mp_object_name,
+    mp_object_names,
+    payload_of,
+)
 from kvstore_lmcache.memory_tags import RESIDENCIES, Residency, StoreTags, store_tags
 from kvstore_lmcache.runtime import Role, StoreRuntime, log
 
@@ -160,6 +167,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._sizes: dict[str, int] = {}  # names this adapter knows are stored -> bytes
         self._storing: Counter[str] = Counter()  # names being stored now (the start's listing leaves them)
         self._keys: dict[str, ObjectKey] = {}
+        # earlier runs' objects whose names were shortened (a model name or salt over 64
+        # characters escaped), by name prefix: counted once a key names that prefix
+        self._unnamed: dict[str, list[tuple[str, int]]] = {}
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -193,9 +203,14 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     def _names(self, keys: Sequence[ObjectKey]) -> list[str | None]:
         try:
-            return list(mp_object_names(keys, self._ns))
+            names: list[str | None] = list(mp_object_names(keys, self._ns))
         except (InvalidKeyError, ValueError):  # one key cannot be named: name them one by one
-            pass
+            names = self._names_one_by_one(keys)
+        if self._unnamed:
+            self._adopt_named(keys, names)
+        return names
+
+    def _names_one_by_one(self, keys: Sequence[ObjectKey]) -> list[str | None]:
         out: list[str | None] = []
         for key in keys:
             try:
@@ -621,12 +636,53 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if keys:
             self._tell("deleted", self._notify_keys_deleted, keys, sizes)
 
+    def _adopt_named(self, keys: Sequence[ObjectKey], names: Sequence[str | None]) -> None:
+        """Earlier runs' objects under a shortened name that these keys' names share a
+        prefix with (model, rank, group and salt): their keys are now known (the key's,
+        with each object's own chunk hash), so they are counted as the listing at start
+        counts the others."""
+        found: list[tuple[ObjectKey, list[tuple[str, int]]]] = []
+        seen: set[str] = set()
+        with self._lock:
+            for key, name in zip(keys, names):
+                if name is None:
+                    continue
+                prefix = name[: name.rfind("/") + 1]
+                if prefix in seen:
+                    continue
+                seen.add(prefix)
+                waiting = self._unnamed.pop(prefix, None)
+                if waiting:
+                    found.append((key, waiting))
+        adopted: list[ObjectKey] = []
+        sizes: list[int] = []
+        for key, waiting in found:
+            template = mp_chunk_key(key, self._ns)
+            for other, size in waiting:
+                try:
+                    okey = mp_object_key(replace(template, chunk_hash=chunk_hash_of(other)))
+                    if okey is None or mp_object_name(okey, self._ns) != other:
+                        continue  # (not this key's kind after all: left uncounted)
+                except (InvalidKeyError, ValueError):
+                    continue
+                with self._lock:
+                    if other in self._sizes or other in self._storing:
+                        continue  # counted by its store meanwhile
+                    self._sizes[other] = size
+                    self._keys[other] = okey
+                adopted.append(okey)
+                sizes.append(size)
+        if adopted:
+            self._tell("stored", self._notify_keys_stored, adopted, sizes)
+            log.info("kvstore L2: counted %d objects from earlier runs under a shortened name", len(adopted))
+
     async def _adopt_existing(self) -> None:
         """Count what earlier runs left in the tiers (every tier: with ``write=back`` no
         single tier holds everything), so usage, listing and LMCache's L2 eviction see it.
         Runs in the background after start; sizes are stored (frame) bytes."""
         keys: list[ObjectKey] = []
         sizes: list[int] = []
+        unnamed = 0
         for tier in self.runtime.store.tiers:
             try:
                 async for info in tier.backend.list(namespace_prefix(self._ns)):
@@ -634,6 +690,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
                         key = mp_object_key(ChunkKey.from_object_name(info.name))
                     except InvalidKeyError:
                         key = None
+                        prefix = info.name[: info.name.rfind("/") + 1]
+                        if "~" in prefix:  # a component shortened: named by the first request for it
+                            with self._lock:
+                                if info.name not in self._sizes:
+                                    self._unnamed.setdefault(prefix, []).append((info.name, info.size))
+                                    unnamed += 1
                     if key is None:
                         continue
                     with self._lock:
@@ -648,6 +710,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if keys:
             self._tell("stored", self._notify_keys_stored, keys, sizes)
             log.info("kvstore L2: found %d objects (%d bytes) from earlier runs", len(keys), sum(sizes))
+        if unnamed:
+            log.info(
+                "kvstore L2: %d objects from earlier runs have shortened names (a model name or cache "
+                "salt of over 64 characters escaped); they are counted once a request names their model",
+                unnamed,
+            )
 
     def list_l2_keys(
         self, model_name: str | None = None, page_size: int = 500, cursor: str | None = None

@@ -318,6 +318,29 @@ def test_restart_finds_what_was_stored_and_lists_it(make_adapter, tmp_path):
     assert set(by_salt) == {"s1"} and by_salt["s1"] >= sum(t.nbytes for t in tensors)  # stored frames
 
 
+def test_after_a_restart_chunks_of_a_long_model_name_count_once_a_request_names_it(make_adapter):
+    """vLLM's model name is often a path: escaped, it is over 64 characters and its names
+    are shortened with a digest, which the listing at start cannot read back. The first
+    request naming that model tells which key they are: then they count, list and delete
+    like any other."""
+    model = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
+    keys = [okey(i, model=model) for i in range(3)]
+    tensors = [kv(i) for i in range(3)]
+    first = make_adapter()
+    assert store(first, keys, tensors)
+    first.close()
+    second = make_adapter()
+    second.runtime.submit(second._adopt_existing()).result(10)  # (as the listing at start does)
+    assert second.get_usage().total_bytes_used == 0  # not readable from the names alone
+    assert lookup(second, keys[:1]) == [True]  # a request names the model...
+    assert second.get_usage().total_bytes_used >= sum(t.nbytes for t in tensors)  # ...and all three count
+    listed = {e.key.to_object_key() for e in second.list_l2_keys(model_name=model, page_size=10).entries}
+    assert listed == set(keys)
+    second.delete(keys)
+    assert second.get_usage().total_bytes_used == 0
+    assert lookup(second, keys) == [False] * 3
+
+
 def test_a_key_that_cannot_be_named_is_a_miss_for_itself_only(make_adapter):
     ad = make_adapter()
     keys = [okey(i) for i in range(3)]
