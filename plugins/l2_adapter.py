@@ -137,6 +137,7 @@ class L2Counters:
     load_hits: int = 0
     loads_off_loop: int = 0  # load tasks read and completed on worker threads, no hop to the loop
     loads_handed_back: int = 0  # of those begun so, tasks the loop read after all (not all clean hits)
+    fast_path_faults: int = 0  # lookups and loads the server's thread could not begin: the loop took them
     stores: int = 0
     stores_failed: int = 0
     timeouts: int = 0
@@ -441,7 +442,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         try:
             found = self.runtime.store.lookup_now(asked, ttl=self.config.lock_ttl_s)
         except Exception as exc:  # a fault here must not fail the lookup: the loop asks
-            log.debug("kvstore L2: lookup on the caller's thread failed (%s); asking on the loop", exc)
+            self._fast_path_fault("a lookup on the server's thread", exc)
             return None
         if found is None:
             return None
@@ -546,7 +547,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return False
         try:
             outs = [byte_target(obj) or payload_of(obj)[0] for obj in objects]
-        except Exception:  # the loop's read says what is wrong with it
+        except Exception as exc:  # the loop's read says what is wrong with it
+            self._fast_path_fault("a load's memory objects", exc)
             return False
 
         started = time.monotonic()
@@ -568,8 +570,21 @@ class KVStoreL2Adapter(L2AdapterInterface):
         try:
             return self.runtime.store.read_now(known, outs, done, self.runtime.loop)
         except Exception as exc:  # a fault here must not fail the load: the loop reads it
-            log.debug("kvstore L2: a load off the loop could not start (%s); reading on the loop", exc)
+            self._fast_path_fault("a load off the loop", exc)
             return False
+
+    def _fast_path_fault(self, what: str, exc: Exception) -> None:
+        """Counted, and the first one said out loud: served by the loop all the same,
+        but each costs the hops the fast path saves, so a fault that persists must show."""
+        with self._lock:
+            self.counters.fast_path_faults += 1
+            first = self.counters.fast_path_faults == 1
+        (log.warning if first else log.debug)(
+            "kvstore L2: %s failed (%r); served on the store's loop instead (slower). Later such "
+            "faults are logged at debug level and counted in report_status()['counters']['fast_path_faults']",
+            what,
+            exc,
+        )
 
     async def _load(self, names: list[str | None], objects: list[MemoryObj]) -> list[bool]:
         known = {i: n for i, n in enumerate(names) if n is not None}

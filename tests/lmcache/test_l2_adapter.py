@@ -341,6 +341,24 @@ def test_after_a_restart_chunks_of_a_long_model_name_count_once_a_request_names_
     assert lookup(second, keys) == [False] * 3
 
 
+def test_a_fast_path_that_faults_is_served_on_the_loop_counted_and_said_once(make_adapter, caplog):
+    ad = make_adapter()
+    keys = [okey(i) for i in range(2)]
+    assert store(ad, keys, [kv(0), kv(1)])
+
+    def broken(*args, **kw):
+        raise OSError("stat failed")
+
+    with mock.patch.object(ad.runtime.store, "lookup_now", broken), mock.patch.object(ad.runtime.store, "read_now", broken):
+        with caplog.at_level("DEBUG", logger="kvstore"):
+            assert lookup(ad, keys) == [True, True]  # answered all the same
+            assert all(torch.equal(t, kv(i)) for i, t in enumerate(load(ad, keys)))
+            assert lookup(ad, keys) == [True, True]
+    assert ad.report_status()["counters"]["fast_path_faults"] == 3
+    said = [r for r in caplog.records if "fast_path_faults" in r.getMessage()]
+    assert [r.levelname for r in said] == ["WARNING", "DEBUG", "DEBUG"]
+
+
 def test_a_key_that_cannot_be_named_is_a_miss_for_itself_only(make_adapter):
     ad = make_adapter()
     keys = [okey(i) for i in range(3)]
