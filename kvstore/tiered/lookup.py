@@ -9,6 +9,7 @@ and writes of data, the engine's decisions.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from kvstore.tiered.parts import Parts
@@ -22,8 +23,9 @@ from kvstore.tiered.parts import Parts
 
 
 class Lookup:
-    def __init__(self, parts: Parts) -> None:
+    def __init__(self, parts: Parts, deleting: Sequence[Counter[str]] = ()) -> None:
         self.p = parts
+        self._deleting = deleting  # per tier, names whose deletes are under way (`Mover.deleting`)
 
     def visible(self, name: str, now: float) -> int | None:
         """The tier serving `name`, or None (absent, still being written, or expired)."""
@@ -45,8 +47,14 @@ class Lookup:
         )
 
     def discoverable(self, name: str) -> bool:
-        """Unknown to the engine, and no write or copy of ours is under way."""
-        return self.p.placement.where(name) is None and not self.p.inflight.busy(name)
+        """Unknown to the engine, and no write, copy or delete of ours is under way (an
+        evicted name leaves the books as it is decided, its bytes when the delete is
+        over: found meanwhile, it would be promised, and pinned, and then be gone)."""
+        return (
+            self.p.placement.where(name) is None
+            and not self.p.inflight.busy(name)
+            and not any(name in d for d in self._deleting)
+        )
 
     def servable_prefix(self, names: Sequence[str], now: float) -> int:
         """How many leading `names` are servable.  Reads the books only (membership

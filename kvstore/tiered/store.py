@@ -97,7 +97,7 @@ class TieredStore:
             # the backend's own eviction (its capacity, the medium's hard bound) leaves our books
             tier.backend.on_evict = partial(parts.evicted, j)
         self.mover = Mover(parts, max_moves)
-        self.lookup = Lookup(parts)
+        self.lookup = Lookup(parts, self.mover.deleting)
         self.reader = Reader(parts, self.lookup, self.mover)
         self.direct = DirectReads(parts, self.lookup, self.reader, self.mover)
         self.reader.settle_first = self.direct.settle_pending

@@ -349,11 +349,15 @@ def test_a_fast_path_that_faults_is_served_on_the_loop_counted_and_said_once(mak
     def broken(*args, **kw):
         raise OSError("stat failed")
 
-    with mock.patch.object(ad.runtime.store, "lookup_now", broken), mock.patch.object(ad.runtime.store, "read_now", broken):
-        with caplog.at_level("DEBUG", logger="kvstore"):
-            assert lookup(ad, keys) == [True, True]  # answered all the same
-            assert all(torch.equal(t, kv(i)) for i, t in enumerate(load(ad, keys)))
-            assert lookup(ad, keys) == [True, True]
+    tiered = ad.runtime.store
+    with (
+        mock.patch.object(tiered, "lookup_now", broken),
+        mock.patch.object(tiered, "read_now", broken),
+        caplog.at_level("DEBUG", logger="kvstore"),
+    ):
+        assert lookup(ad, keys) == [True, True]  # answered all the same
+        assert all(torch.equal(t, kv(i)) for i, t in enumerate(load(ad, keys)))
+        assert lookup(ad, keys) == [True, True]
     assert ad.report_status()["counters"]["fast_path_faults"] == 3
     said = [r for r in caplog.records if "fast_path_faults" in r.getMessage()]
     assert [r.levelname for r in said] == ["WARNING", "DEBUG", "DEBUG"]

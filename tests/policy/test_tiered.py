@@ -232,6 +232,27 @@ async def test_lookup_now_answers_each_name_pins_what_it_found_and_defers_to_the
     await store.close()
 
 
+async def test_a_name_being_evicted_is_not_found_again_while_its_delete_runs() -> None:
+    """With discovery, a name the engine just evicted is out of the books while its bytes
+    are still being deleted: it must not be promised (and pinned) again meanwhile, on the
+    loop or on another thread, only to be gone when it is read."""
+    size = await frame_size()
+    held = HeldMemoryBackend()
+    store = TieredStore([TierSpec(Tier(held), capacity=2 * size, policy="lru")], discover=True)
+    await store.put_many([(name(0), chunk(0)), (name(1), chunk(1))])
+    held.deletes.clear()  # the eviction's delete is held
+    put = asyncio.ensure_future(store.put_many([(name(2), chunk(2))]))  # evicts name(0)
+    await asyncio.sleep(0.05)
+    assert name(0) in held._space.objects  # (its bytes are still there)
+    assert await store.contains_many([name(0), name(1)]) == [False, True]
+    assert await asyncio.to_thread(store.lookup_now, [name(0)], 60) == [False]
+    assert store.stats().pinned == 0
+    held.deletes.set()
+    assert await put == [True]
+    assert await store.contains_many([name(0), name(2)]) == [False, True]
+    await store.close()
+
+
 async def test_pinned_chunks_survive_pressure_until_unpinned_or_expired() -> None:
     size = await frame_size()
     clock = FakeClock()
