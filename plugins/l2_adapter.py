@@ -170,7 +170,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._keys: dict[str, ObjectKey] = {}
         # earlier runs' objects whose names were shortened (a model name or salt over 64
         # characters escaped), by name prefix: counted once a key names that prefix
-        self._unnamed: dict[str, list[tuple[str, int]]] = {}
+        self._unnamed: dict[str, dict[str, int]] = {}  # prefix -> {name: stored size}
         self._store_efd = create_event_notifier()
         self._lookup_efd = create_event_notifier()
         self._load_efd = create_event_notifier()
@@ -207,8 +207,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             names: list[str | None] = list(mp_object_names(keys, self._ns))
         except (InvalidKeyError, ValueError):  # one key cannot be named: name them one by one
             names = self._names_one_by_one(keys)
-        if self._unnamed:
-            self._adopt_named(keys, names)
+        if self._unnamed:  # (no lock taken here: callers may hold `_lock`)
+            self._note_named(keys, names)
         return names
 
     def _names_one_by_one(self, keys: Sequence[ObjectKey]) -> list[str | None]:
@@ -502,9 +502,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         """Release one lookup lock per key; the last release unpins (never fails)."""
         free: list[str] = []
         now = time.monotonic()
+        named = self._names(keys)
         with self._lock:
             locks = self._locks
-            for name in self._names(keys):
+            for name in named:
                 entry = locks.get(name) if name is not None else None
                 if entry is None or name is None:
                     continue
@@ -642,6 +643,11 @@ class KVStoreL2Adapter(L2AdapterInterface):
         keys: list[ObjectKey] = []
         sizes: list[int] = []
         with self._lock:
+            if self._unnamed:  # gone before a request named them: never counted
+                for name in names:
+                    waiting = self._unnamed.get(name[: name.rfind("/") + 1])
+                    if waiting is not None:
+                        waiting.pop(name, None)
             for name in names:
                 size = self._sizes.pop(name, None)
                 key = self._keys.pop(name, None)
@@ -651,29 +657,38 @@ class KVStoreL2Adapter(L2AdapterInterface):
         if keys:
             self._tell("deleted", self._notify_keys_deleted, keys, sizes)
 
-    def _adopt_named(self, keys: Sequence[ObjectKey], names: Sequence[str | None]) -> None:
-        """Earlier runs' objects under a shortened name that these keys' names share a
-        prefix with (model, rank, group and salt): their keys are now known (the key's,
-        with each object's own chunk hash), so they are counted as the listing at start
-        counts the others."""
-        found: list[tuple[ObjectKey, list[tuple[str, int]]]] = []
-        seen: set[str] = set()
-        with self._lock:
-            for key, name in zip(keys, names):
-                if name is None:
-                    continue
-                prefix = name[: name.rfind("/") + 1]
-                if prefix in seen:
-                    continue
-                seen.add(prefix)
-                waiting = self._unnamed.pop(prefix, None)
-                if waiting:
-                    found.append((key, waiting))
+    def _note_named(self, keys: Sequence[ObjectKey], names: Sequence[str | None]) -> None:
+        """Keys naming a prefix that earlier runs' objects under a shortened name share
+        (model, rank, group and salt): those objects are counted, off this thread (a
+        lookup's), by `_adopt_named`.  Membership tests only, no lock."""
+        unnamed = self._unnamed
+        found: dict[str, ObjectKey] = {}
+        last = ""
+        for key, name in zip(keys, names):
+            if name is None or (last and name.startswith(last)):
+                continue
+            last = name[: name.rfind("/") + 1]
+            if last in unnamed and last not in found:
+                found[last] = key
+        if found:
+            try:
+                self.runtime.submit(asyncio.to_thread(self._adopt_named, found), "background")
+            except RuntimeError:  # closed: nothing to count any more
+                pass
+
+    def _adopt_named(self, found: dict[str, ObjectKey]) -> None:
+        """The objects waiting under each prefix of `found`, counted as the listing at
+        start counts the others: each one's key is the prefix's key with the object's
+        own chunk hash (checked by naming it again)."""
         adopted: list[ObjectKey] = []
         sizes: list[int] = []
-        for key, waiting in found:
+        for prefix, key in found.items():
+            with self._lock:
+                waiting = self._unnamed.pop(prefix, None)
+            if not waiting:
+                continue
             template = mp_chunk_key(key, self._ns)
-            for other, size in waiting:
+            for other, size in waiting.items():
                 try:
                     okey = mp_object_key(replace(template, chunk_hash=chunk_hash_of(other)))
                     if okey is None or mp_object_name(okey, self._ns) != other:
@@ -709,7 +724,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                         if "~" in prefix:  # a component shortened: named by the first request for it
                             with self._lock:
                                 if info.name not in self._sizes:
-                                    self._unnamed.setdefault(prefix, []).append((info.name, info.size))
+                                    self._unnamed.setdefault(prefix, {})[info.name] = info.size
                                     unnamed += 1
                     if key is None:
                         continue

@@ -692,7 +692,7 @@ class DiskBackend(Backend):
         """Bookkeeping that may fail without failing the operation (the files are the truth)."""
         try:
             await self.index.run(fn, *args)
-        except (sqlite3.Error, OSError) as exc:
+        except (sqlite3.Error, OSError, RuntimeError) as exc:  # (RuntimeError: the index closed)
             log.warning("kvstore disk: index %s update failed: %s", self.index.path, exc)
 
     def _later(self) -> None:

@@ -46,15 +46,15 @@ class Lookup:
             name in p.placement.tiers[k].resident and not p.guard.refusing(k) for k in range(j + 1, len(p.tiers))
         )
 
+    def unknown(self, name: str) -> bool:
+        """Unknown to the engine, and no write or copy of ours is under way."""
+        return self.p.placement.where(name) is None and not self.p.inflight.busy(name)
+
     def discoverable(self, name: str) -> bool:
-        """Unknown to the engine, and no write, copy or delete of ours is under way (an
-        evicted name leaves the books as it is decided, its bytes when the delete is
-        over: found meanwhile, it would be promised, and pinned, and then be gone)."""
-        return (
-            self.p.placement.where(name) is None
-            and not self.p.inflight.busy(name)
-            and not any(name in d for d in self._deleting)
-        )
+        """`unknown`, and no delete of ours is under way either (an evicted name leaves the
+        books as it is decided, its bytes when the delete is over: found meanwhile, it
+        would be promised, and pinned, and then be gone)."""
+        return self.unknown(name) and not any(name in d for d in self._deleting)
 
     def servable_prefix(self, names: Sequence[str], now: float) -> int:
         """How many leading `names` are servable.  Reads the books only (membership

@@ -256,7 +256,7 @@ class TieredStore:
         with self.parts.changing():
             for i, name in enumerate(names):
                 existed.append(self.placement.where(name) is not None)
-                if self.discover and not existed[-1] and self.lookup.discoverable(name):
+                if self.discover and not existed[-1] and self.lookup.unknown(name):  # (deleting it twice is harmless)
                     unknown.append(i)
                 moves.extend(self.placement.delete(name))
                 self.book.discard(name)

@@ -360,16 +360,22 @@ async def test_a_put_after_close_is_a_counted_failure(tmp_path: Path) -> None:
 async def test_a_failed_index_transaction_keeps_finished_writes_for_the_next(tmp_path: Path) -> None:
     be = DiskBackend(tmp_path, capacity=10_000, fsync=False)
     assert await be.put("ns/a", b"a" * 100)  # written: its row is published with the next transaction
+    if be._flush_handle is not None:  # (not by the flush timer: by the transaction that fails)
+        be._flush_handle.cancel()
+        be._flush_handle = None
     reserve_many = be.index.reserve_many
     fail = [True]
+    carried: list[str] = []
 
     def once_locked(*args: object) -> object:
         if fail.pop() if fail else False:
+            carried.extend(name for name, *_ in args[4])  # type: ignore[attr-defined]
             raise sqlite3.OperationalError("database is locked")
         return reserve_many(*args)  # type: ignore[arg-type]
 
     be.index.reserve_many = once_locked  # type: ignore[method-assign]
     assert await be.put("ns/b", b"b" * 100) is False  # its transaction failed: counted
+    assert carried == ["ns/a"]  # (the failed transaction carried ns/a's publish)
     await be.flush()
     with sqlite3.connect(be.index.path) as c:
         (lease,) = c.execute("SELECT lease FROM objects WHERE name = 'ns/a'").fetchone()

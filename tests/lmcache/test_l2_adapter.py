@@ -9,6 +9,7 @@ test_l2_server.py.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from pathlib import Path
 from unittest import mock
@@ -25,6 +26,7 @@ require_module("lmcache.v1.distributed.l2_adapters.base")
 
 from lmcache.v1.distributed.api import ObjectKey  # noqa: E402
 
+from kvstore_lmcache.keymap import mp_object_name  # noqa: E402
 from kvstore_lmcache.l2_adapter import KVStoreL2Adapter, KVStoreL2AdapterConfig  # noqa: E402
 from kvstore_lmcache.l2_sync import SyncL2, object_key  # noqa: E402
 
@@ -326,19 +328,46 @@ def test_after_a_restart_chunks_of_a_long_model_name_count_once_a_request_names_
     model = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
     keys = [okey(i, model=model) for i in range(3)]
     tensors = [kv(i) for i in range(3)]
+    other = okey(9, model=model + "-other")  # an earlier run's model no request names now
     first = make_adapter()
     assert store(first, keys, tensors)
+    assert store(first, [other], [kv(9)])
     first.close()
     second = make_adapter()
     second.runtime.submit(second._adopt_existing()).result(10)  # (as the listing at start does)
     assert second.get_usage().total_bytes_used == 0  # not readable from the names alone
-    assert lookup(second, keys[:1]) == [True]  # a request names the model...
-    assert second.get_usage().total_bytes_used >= sum(t.nbytes for t in tensors)  # ...and all three count
+    sync = SyncL2(second)
+    assert sync.lookup(keys[:1]) == [True]  # a request names the model...
+    done = threading.Thread(target=sync.unlock, args=(keys[:1],), daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive(), "unlocking while other shortened names wait must not hang"
+    deadline = time.time() + 10
+    while second.get_usage().total_bytes_used < sum(t.nbytes for t in tensors) and time.time() < deadline:
+        time.sleep(0.02)  # (counted off the request's thread)
+    assert sum(t.nbytes for t in tensors) <= second.get_usage().total_bytes_used < 4 * kv(0).nbytes  # ...all three
     listed = {e.key.to_object_key() for e in second.list_l2_keys(model_name=model, page_size=10).entries}
     assert listed == set(keys)
     second.delete(keys)
     assert second.get_usage().total_bytes_used == 0
     assert lookup(second, keys) == [False] * 3
+
+
+def test_a_chunk_under_a_shortened_name_gone_before_it_was_named_is_never_counted(make_adapter):
+    model = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
+    keys = [okey(i, model=model) for i in range(2)]
+    first = make_adapter()
+    assert store(first, keys, [kv(0), kv(1)])
+    first.close()
+    second = make_adapter()
+    second.runtime.submit(second._adopt_existing()).result(10)
+    second._gone([mp_object_name(keys[0], second._ns)])  # evicted by kvstore's own policy before any request named the model
+    assert lookup(second, keys[1:]) == [True]
+    deadline = time.time() + 10
+    while second.get_usage().total_bytes_used == 0 and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.1)
+    assert kv(1).nbytes <= second.get_usage().total_bytes_used < 2 * kv(1).nbytes  # the one left, once
 
 
 def test_a_fast_path_that_faults_is_served_on_the_loop_counted_and_said_once(make_adapter, caplog):
