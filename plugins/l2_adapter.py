@@ -182,7 +182,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._closed = False
         self._efds_closed = False
         export_store(self.runtime.store, name="kvstore-l2", adapter=self, port=config.metrics_port)
-        self.runtime.submit(self._adopt_existing(), "background")
+        self._listed = self.runtime.submit(self._adopt_existing(), "background")  # (tests wait for it)
         log.info("kvstore L2 adapter ready: %s", cfg.describe())
 
     # ---------------------------------------------------------------- event fds
@@ -679,29 +679,38 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _adopt_named(self, found: dict[str, ObjectKey]) -> None:
         """The objects waiting under each prefix of `found`, counted as the listing at
         start counts the others: each one's key is the prefix's key with the object's
-        own chunk hash (checked by naming it again)."""
+        own chunk hash (checked by naming it again).  Keys are made from a copy; the
+        count is taken in one step with the prefix's removal, of the objects still
+        waiting then (one gone meanwhile, `_gone` took out)."""
         adopted: list[ObjectKey] = []
         sizes: list[int] = []
         for prefix, key in found.items():
             with self._lock:
-                waiting = self._unnamed.pop(prefix, None)
+                waiting = dict(self._unnamed.get(prefix, {}))
             if not waiting:
                 continue
             template = mp_chunk_key(key, self._ns)
-            for other, size in waiting.items():
+            named: dict[str, ObjectKey] = {}
+            for other in waiting:
                 try:
                     okey = mp_object_key(replace(template, chunk_hash=chunk_hash_of(other)))
-                    if okey is None or mp_object_name(okey, self._ns) != other:
-                        continue  # (not this key's kind after all: left uncounted)
                 except (InvalidKeyError, ValueError):
                     continue
-                with self._lock:
-                    if other in self._sizes or other in self._storing:
-                        continue  # counted by its store meanwhile
+                if okey is not None and mp_object_name(okey, self._ns) == other:
+                    named[other] = okey  # (else not this key's kind after all: never counted)
+            with self._lock:
+                now = self._unnamed.pop(prefix, {})
+                for other, okey in named.items():
+                    size = now.get(other)
+                    if size is None or other in self._sizes or other in self._storing:
+                        continue  # gone meanwhile, or counted by its store
                     self._sizes[other] = size
                     self._keys[other] = okey
-                adopted.append(okey)
-                sizes.append(size)
+                    adopted.append(okey)
+                    sizes.append(size)
+                later = {n: b for n, b in now.items() if n not in waiting}  # listed since the copy
+                if later:
+                    self._unnamed[prefix] = later
         if adopted:
             self._tell("stored", self._notify_keys_stored, adopted, sizes)
             log.info("kvstore L2: counted %d objects from earlier runs under a shortened name", len(adopted))

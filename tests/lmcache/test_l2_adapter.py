@@ -334,7 +334,7 @@ def test_after_a_restart_chunks_of_a_long_model_name_count_once_a_request_names_
     assert store(first, [other], [kv(9)])
     first.close()
     second = make_adapter()
-    second.runtime.submit(second._adopt_existing()).result(10)  # (as the listing at start does)
+    second._listed.result(10)  # (the listing at start is over)
     assert second.get_usage().total_bytes_used == 0  # not readable from the names alone
     sync = SyncL2(second)
     assert sync.lookup(keys[:1]) == [True]  # a request names the model...
@@ -360,7 +360,7 @@ def test_a_chunk_under_a_shortened_name_gone_before_it_was_named_is_never_counte
     assert store(first, keys, [kv(0), kv(1)])
     first.close()
     second = make_adapter()
-    second.runtime.submit(second._adopt_existing()).result(10)
+    second._listed.result(10)  # (the listing at start is over)
     second._gone([mp_object_name(keys[0], second._ns)])  # evicted by kvstore's own policy before any request named the model
     assert lookup(second, keys[1:]) == [True]
     deadline = time.time() + 10
@@ -368,6 +368,35 @@ def test_a_chunk_under_a_shortened_name_gone_before_it_was_named_is_never_counte
         time.sleep(0.02)
     time.sleep(0.1)
     assert kv(1).nbytes <= second.get_usage().total_bytes_used < 2 * kv(1).nbytes  # the one left, once
+
+
+def test_a_chunk_under_a_shortened_name_gone_while_it_is_being_counted_is_not(make_adapter):
+    from kvstore_lmcache import l2_adapter
+
+    model = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
+    keys = [okey(i, model=model) for i in range(2)]
+    first = make_adapter()
+    assert store(first, keys, [kv(0), kv(1)])
+    first.close()
+    second = make_adapter()
+    second._listed.result(10)
+    victim = mp_object_name(keys[0], second._ns)
+    naming = l2_adapter.mp_object_name
+
+    def evicted_as_it_is_named(key, ns):  # kvstore's policy evicts it while it is being counted
+        name = naming(key, ns)
+        if name == victim:
+            second._gone([victim])
+        return name
+
+    with mock.patch.object(l2_adapter, "mp_object_name", evicted_as_it_is_named):
+        assert lookup(second, keys[1:]) == [True]
+        deadline = time.time() + 10
+        while second.get_usage().total_bytes_used == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)
+    assert kv(1).nbytes <= second.get_usage().total_bytes_used < 2 * kv(1).nbytes  # the one left, once
+    assert victim not in second._sizes
 
 
 def test_a_fast_path_that_faults_is_served_on_the_loop_counted_and_said_once(make_adapter, caplog):
