@@ -320,12 +320,37 @@ def test_restart_finds_what_was_stored_and_lists_it(make_adapter, tmp_path):
     assert set(by_salt) == {"s1"} and by_salt["s1"] >= sum(t.nbytes for t in tensors)  # stored frames
 
 
+# vLLM's model name is the model argument: a local path, escaped, is over 64 characters
+LONG_MODEL = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
+
+
+def restarted_over_long_named_chunks(make_adapter):
+    """An adapter started over two chunks an earlier one stored under `LONG_MODEL`, its
+    listing at start over (they wait, unnamed); and their keys."""
+    keys = [okey(i, model=LONG_MODEL) for i in range(2)]
+    first = make_adapter()
+    assert store(first, keys, [kv(0), kv(1)])
+    first.close()
+    second = make_adapter()
+    second._listed.result(10)
+    return second, keys
+
+
+def assert_counted_once(ad, nbytes):
+    """LMCache's usage comes to one chunk of `nbytes` (a frame: a little more), and stays."""
+    deadline = time.time() + 10
+    while ad.get_usage().total_bytes_used == 0 and time.time() < deadline:
+        time.sleep(0.02)  # (counted off the request's thread)
+    time.sleep(0.1)
+    assert nbytes <= ad.get_usage().total_bytes_used < 2 * nbytes
+
+
 def test_after_a_restart_chunks_of_a_long_model_name_count_once_a_request_names_it(make_adapter):
     """vLLM's model name is often a path: escaped, it is over 64 characters and its names
     are shortened with a digest, which the listing at start cannot read back. The first
     request naming that model tells which key they are: then they count, list and delete
     like any other."""
-    model = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
+    model = LONG_MODEL
     keys = [okey(i, model=model) for i in range(3)]
     tensors = [kv(i) for i in range(3)]
     other = okey(9, model=model + "-other")  # an earlier run's model no request names now
@@ -354,32 +379,16 @@ def test_after_a_restart_chunks_of_a_long_model_name_count_once_a_request_names_
 
 
 def test_a_chunk_under_a_shortened_name_gone_before_it_was_named_is_never_counted(make_adapter):
-    model = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
-    keys = [okey(i, model=model) for i in range(2)]
-    first = make_adapter()
-    assert store(first, keys, [kv(0), kv(1)])
-    first.close()
-    second = make_adapter()
-    second._listed.result(10)  # (the listing at start is over)
+    second, keys = restarted_over_long_named_chunks(make_adapter)
     second._gone([mp_object_name(keys[0], second._ns)])  # evicted by kvstore's own policy before any request named the model
     assert lookup(second, keys[1:]) == [True]
-    deadline = time.time() + 10
-    while second.get_usage().total_bytes_used == 0 and time.time() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.1)
-    assert kv(1).nbytes <= second.get_usage().total_bytes_used < 2 * kv(1).nbytes  # the one left, once
+    assert_counted_once(second, kv(1).nbytes)  # the one left
 
 
 def test_a_chunk_under_a_shortened_name_gone_while_it_is_being_counted_is_not(make_adapter):
     from kvstore_lmcache import l2_adapter
 
-    model = "/mnt/models/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659"
-    keys = [okey(i, model=model) for i in range(2)]
-    first = make_adapter()
-    assert store(first, keys, [kv(0), kv(1)])
-    first.close()
-    second = make_adapter()
-    second._listed.result(10)
+    second, keys = restarted_over_long_named_chunks(make_adapter)
     victim = mp_object_name(keys[0], second._ns)
     naming = l2_adapter.mp_object_name
 
@@ -391,11 +400,7 @@ def test_a_chunk_under_a_shortened_name_gone_while_it_is_being_counted_is_not(ma
 
     with mock.patch.object(l2_adapter, "mp_object_name", evicted_as_it_is_named):
         assert lookup(second, keys[1:]) == [True]
-        deadline = time.time() + 10
-        while second.get_usage().total_bytes_used == 0 and time.time() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.1)
-    assert kv(1).nbytes <= second.get_usage().total_bytes_used < 2 * kv(1).nbytes  # the one left, once
+        assert_counted_once(second, kv(1).nbytes)  # the one left
     assert victim not in second._sizes
 
 
