@@ -33,7 +33,7 @@ check that loaded KV is the KV that was stored.
 
     python3 benchmarks/bench_vllm_e2e.py --out e2e.json [--modes none,kvstore,fs]
         [--prompt-tokens 8192] [--prompts 6] [--repeats 3] [--rounds 2] [--l1-gb 4]
-        [--settle-each] [--logs DIR]
+        [--settle-each] [--logs DIR] [--server-arg=--l2-store-policy --server-arg=skip_l1]
 
 Needs vLLM, LMCache 0.5.6 and a CUDA device; ``kvstore_lmcache`` must be importable in
 the server's environment.
@@ -107,6 +107,7 @@ def start_server(mode: str, root: Path, port: int, args: argparse.Namespace) -> 
         "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(args.chunk_size),
         "--l1-size-gb", str(args.l1_gb), "--eviction-policy", "LRU", "--disable-observability",
         "--l2-adapter", json.dumps(adapter_spec(mode, root)),
+        *args.server_arg,
     ]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + args.server_timeout
@@ -300,6 +301,9 @@ def main() -> None:
     ap.add_argument("--settle-each", action="store_true",
                     help="after each cold prompt, wait for the L2 directory to stop growing")
     ap.add_argument("--logs", default="", help="folder to copy each mode's server log and engine stderr to")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more argument for the LMCache server, repeatable: --server-arg=--l2-store-policy "
+                         "--server-arg=skip_l1 drops chunks from its L1 once they are in L2, so every repeat loads from L2")
     ap.add_argument("--server-timeout", type=float, default=120.0)
     ap.add_argument("--mode-timeout", type=float, default=300.0)
     ap.add_argument("--workdir", default="")
@@ -319,6 +323,7 @@ def main() -> None:
             cmd += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
         if args.settle_each:
             cmd.append("--settle-each")
+        cmd += [f"--server-arg={a}" for a in args.server_arg]
         # its own process group, so a mode that runs out of time takes its LMCache server
         # with it (a SIGKILLed child never reaches its `finally`)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
