@@ -143,6 +143,12 @@ class Tier:
         now = self.encode_now(tensor, name, layout, sealed=sealed)
         if now is not None:
             return now
+        return await self.encode_in_thread(tensor, name, layout, sealed=sealed)
+
+    async def encode_in_thread(
+        self, tensor: torch.Tensor, name: str, layout: str = "raw", *, sealed: bool = True
+    ) -> list[memoryview]:
+        """`encode` on a worker thread (where `encode_now` said None)."""
         return await asyncio.to_thread(partial(self.encode, tensor, name, layout, sealed=sealed))
 
     def encode_now(

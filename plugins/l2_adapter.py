@@ -145,6 +145,12 @@ class L2Counters:
     refused: int = 0  # tasks submitted after close
 
 
+def _prefix(name: str) -> str:
+    """What a chunk's name shares with every chunk of its model, rank, group and salt
+    (all but the chunk hash)."""
+    return name[: name.rfind("/") + 1]
+
+
 class KVStoreL2Adapter(L2AdapterInterface):
     """LMCache's ``L2AdapterInterface`` over a kvstore `TieredStore`."""
 
@@ -379,11 +385,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     before = self._sizes.get(stored)
                     self._sizes[stored] = size
                     self._keys[stored] = keys[i]
-                if before is None:
-                    new_keys.append(keys[i])
-                    new_sizes.append(size)
-                elif before != size:  # (an earlier run's object, counted at its stored size)
-                    resized.append((keys[i], before))
+                if before != size:
+                    if before is not None:  # (an earlier run's object, counted at its stored size)
+                        resized.append((keys[i], before))
                     new_keys.append(keys[i])
                     new_sizes.append(size)
         self.counters.stores += len(keys)
@@ -645,7 +649,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         with self._lock:
             if self._unnamed:  # gone before a request named them: never counted
                 for name in names:
-                    waiting = self._unnamed.get(name[: name.rfind("/") + 1])
+                    waiting = self._unnamed.get(_prefix(name))
                     if waiting is not None:
                         waiting.pop(name, None)
             for name in names:
@@ -667,7 +671,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         for key, name in zip(keys, names):
             if name is None or (last and name.startswith(last)):
                 continue
-            last = name[: name.rfind("/") + 1]
+            last = _prefix(name)
             if last in unnamed and last not in found:
                 found[last] = key
         if found:
@@ -729,7 +733,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                         key = mp_object_key(ChunkKey.from_object_name(info.name))
                     except InvalidKeyError:
                         key = None
-                        prefix = info.name[: info.name.rfind("/") + 1]
+                        prefix = _prefix(info.name)
                         if "~" in prefix:  # a component shortened: named by the first request for it
                             with self._lock:
                                 if info.name not in self._sizes:

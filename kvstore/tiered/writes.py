@@ -18,7 +18,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 from kvstore.frame import seal_frames
@@ -198,8 +197,8 @@ class Writer:
             if frames[i] is None:
                 later.append(i)
         if later:
-            made = await asyncio.gather(  # encode_now said no: straight to a worker thread each
-                *(asyncio.to_thread(partial(top.encode, items[i][1], items[i][0], layout, sealed=False)) for i in later)
+            made = await asyncio.gather(
+                *(top.encode_in_thread(items[i][1], items[i][0], layout, sealed=False) for i in later)
             )
             for i, parts in zip(later, made):
                 frames[i] = parts

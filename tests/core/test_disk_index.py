@@ -292,37 +292,32 @@ async def test_a_write_that_cannot_fit_yet_evicts_nothing_and_the_rest_of_its_ba
     await b.close()
 
 
-async def test_a_reservation_nobody_waits_for_any_more_is_given_back(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cancelled", ["before the answer", "after the answer"])
+async def test_a_reservation_no_write_will_use_is_given_back_at_once(tmp_path: Path, cancelled: str) -> None:
+    """A write reserving the whole budget is cancelled before the index answers, or after
+    it answered OK but before the write began: either way no write comes, and the bytes
+    go back at once (else its lease would hold the budget for minutes)."""
     a = DiskBackend(tmp_path, capacity=1000, fsync=False)
     b = DiskBackend(tmp_path, capacity=1000, fsync=False)
     await a.ready()
-    ask = a._ask_index("ns/gone", 1000, "a-1")  # a write reserving all 1000 bytes...
-    ask.cancel()  # ...whose caller stopped waiting before the index answered
-    await asyncio.sleep(0)  # (the ask goes to the index)
-    assert await a.index.run(a.index.sizes, ["ns/gone"]) == {"ns/gone": 1000}  # reserved: leased
-    # given back once answered; else its lease would hold the whole budget for minutes
-    assert await asyncio.wait_for(b.put("ns/b", b"b" * 1000), 10)
-    await a.close()
-    await b.close()
+    if cancelled == "before the answer":
+        ask = a._ask_index("ns/gone", 1000, "a-1")
+        ask.cancel()
+        await asyncio.sleep(0)  # (the ask goes to the index)
+        assert await a.index.run(a.index.sizes, ["ns/gone"]) == {"ns/gone": 1000}  # reserved: leased
+    else:
+        answer = a._answer_asks
+        task: asyncio.Task[bool] | None = None
 
+        def answered_then_cancelled(*args: object) -> None:
+            answer(*args)  # type: ignore[arg-type]
+            assert task is not None
+            task.cancel()
 
-async def test_a_reservation_answered_for_a_write_cancelled_before_it_began_is_given_back(tmp_path: Path) -> None:
-    a = DiskBackend(tmp_path, capacity=1000, fsync=False)
-    b = DiskBackend(tmp_path, capacity=1000, fsync=False)
-    await a.ready()
-    answer = a._answer_asks
-    task: asyncio.Task[bool] | None = None
-
-    def answered_then_cancelled(*args: object) -> None:
-        answer(*args)  # type: ignore[arg-type]
-        assert task is not None
-        task.cancel()  # the index said OK; the write is cancelled before it goes on
-
-    a._answer_asks = answered_then_cancelled  # type: ignore[method-assign]
-    task = asyncio.ensure_future(a._reserve("ns/gone", 1000, "a-1"))
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    # no write comes, so the 1000 bytes go back at once, not when the lease lapses
+        a._answer_asks = answered_then_cancelled  # type: ignore[method-assign]
+        task = asyncio.ensure_future(a._reserve("ns/gone", 1000, "a-1"))
+        with pytest.raises(asyncio.CancelledError):
+            await task
     assert await asyncio.wait_for(b.put("ns/b", b"b" * 1000), 10)
     await a.close()
     await b.close()
