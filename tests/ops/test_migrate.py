@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ import torch
 
 from kvstore.backends import open_backend
 from kvstore.backends.disk import DiskBackend
-from kvstore.keys import ChunkKey
+from kvstore.keys import PROBE_PREFIX, ChunkKey
+from kvstore.ops import migrate as migrate_module
 from kvstore.ops.migrate import MigrateOptions, migrate
 from kvstore.tier import Tier
 from tests.support.required import require_module
@@ -119,13 +121,18 @@ async def test_corrupt_source_object_is_reported_not_copied(tmp_path: Path) -> N
     assert report.deleted == 4
 
 
-async def test_delete_source_only_after_verified_write(tmp_path: Path) -> None:
+async def test_delete_source_only_after_verified_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src_url = (tmp_path / "src").as_uri()
     data = await fill(src_url, 6)
     src = open_backend(src_url)
     broken = DiskBackend(tmp_path / "dst", watch=False)  # shard folders made as written, not at open
     for name in list(data)[:3]:  # a file where the shard directory should be: those writes fail
         broken.path_of(name).parent.write_text("not a directory")
+    # the destination's probe object (a random name) lands in a shard that works: one in
+    # about 85 random names fell in a broken one, and migrate rightly refused to begin
+    bad = {broken.path_of(n).parent for n in list(data)[:3]}
+    token = next(t for t in (f"{i:024x}" for i in range(1000)) if broken.path_of(PROBE_PREFIX + t).parent not in bad)
+    monkeypatch.setattr(migrate_module, "secrets", types.SimpleNamespace(token_hex=lambda n: token, token_bytes=os.urandom))
     report = await migrate(src, broken, MigrateOptions(delete_source=True, journal=tmp_path / "j"))
     assert sorted(report.failed) == sorted(n for n in list(data)[:3] if not broken.path_of(n).parent.is_dir())
     assert len(report.failed) == 3 and report.deleted == 3
